@@ -1,0 +1,139 @@
+"""Tests of paged multi-row decode attention against a float64 NumPy reference."""
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.kernels.decode_attention.api import paged_decode_attention
+
+# Output tolerances per input dtype: the inputs are exact in that dtype (the
+# float64 reference reads the same rounded values), so the error comes from
+# rounding the probabilities / output to it (bf16: 8 mantissa bits).
+TOLERANCES = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
+
+
+def make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, spare_pages=3):
+  """Random inputs with a shuffled page pool; every page no request owns is NaN.
+
+  Block-table entries past a request's pages hold garbage ids (out of range or
+  pointing at NaN pages) so that a read beyond the length would show.
+  """
+  seq_lens = np.asarray(seq_lens, np.int32)
+  batch = len(seq_lens)
+  pages_needed = [math.ceil(s / page_size) for s in seq_lens]
+  max_pages = max(max(pages_needed), 1) + 1
+  num_pages = sum(pages_needed) + spare_pages
+  order = rng.permutation(num_pages)
+  block_tables = rng.integers(-5, num_pages + 5, size=(batch, max_pages)).astype(np.int32)
+  next_page = 0
+  for b, needed in enumerate(pages_needed):
+    block_tables[b, :needed] = order[next_page : next_page + needed]
+    next_page += needed
+  shape = (num_kv_heads, num_pages, page_size, head_dim)
+  k_pages = rng.standard_normal(shape).astype(np.float32)
+  v_pages = rng.standard_normal(shape).astype(np.float32)
+  unused = order[next_page:]
+  k_pages[:, unused] = np.nan
+  v_pages[:, unused] = np.nan
+  # Positions past each request's length inside its last page are NaN too.
+  for b, s in enumerate(seq_lens):
+    if s % page_size:
+      last = block_tables[b, pages_needed[b] - 1]
+      k_pages[:, last, s % page_size :] = np.nan
+      v_pages[:, last, s % page_size :] = np.nan
+  q = rng.standard_normal((batch, q_len, num_kv_heads * group, head_dim)).astype(np.float32)
+  return (
+    jnp.asarray(q, dtype),
+    jnp.asarray(k_pages, dtype),
+    jnp.asarray(v_pages, dtype),
+    jnp.asarray(block_tables),
+    jnp.asarray(seq_lens),
+  )
+
+
+def reference_float64(q, k_pages, v_pages, block_tables, seq_lens, sm_scale):
+  """Row-by-row float64 attention, written independently of the jnp reference."""
+  q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+  block_tables, seq_lens = np.asarray(block_tables), np.asarray(seq_lens)
+  batch, q_len, num_q_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  out = np.zeros(q.shape, np.float64)
+  for b in range(batch):
+    for j in range(q_len):
+      visible = seq_lens[b] - q_len + j + 1
+      if visible <= 0:
+        continue
+      pos = np.arange(visible)
+      pages = block_tables[b, pos // page_size]
+      for h in range(num_q_heads):
+        keys = k_pages[h // group, pages, pos % page_size]  # [visible, D]
+        values = v_pages[h // group, pages, pos % page_size]
+        scores = keys @ q[b, j, h] * sm_scale
+        probs = np.exp(scores - scores.max())
+        out[b, j, h] = probs @ values / probs.sum()
+  return out
+
+
+def check(out, q, k_pages, v_pages, block_tables, seq_lens, dtype):
+  assert out.shape == q.shape and out.dtype == q.dtype
+  expected = reference_float64(
+    q, k_pages, v_pages, block_tables, seq_lens, 1.0 / math.sqrt(q.shape[-1])
+  )
+  actual = np.asarray(out, np.float64)
+  assert np.all(np.isfinite(actual))
+  tol = TOLERANCES[dtype]
+  np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol)
+
+
+XLA_CASES = [
+  # seq_lens, q_len, Hkv, G, D, page, dtype
+  ([1, 16, 17, 0], 1, 2, 1, 64, 16, jnp.float32),
+  ([40, 3, 1, 0, 64], 4, 1, 8, 64, 16, jnp.float32),
+  ([2, 33, 100], 8, 2, 3, 128, 32, jnp.bfloat16),
+  ([5, 64, 129], 7, 1, 12, 64, 64, jnp.float16),
+]
+
+
+@pytest.mark.parametrize("case", XLA_CASES)
+def test_xla_matches_float64(case):
+  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
+  out = jax.jit(paged_decode_attention, static_argnames=("impl",))(*args, impl="xla")
+  check(out, *args, dtype)
+
+
+def test_sm_scale_is_used():
+  rng = np.random.default_rng(0)
+  args = make_case(rng, [9, 20], 2, 1, 2, 64, 16, jnp.float32)
+  default = paged_decode_attention(*args, impl="xla")
+  halved = paged_decode_attention(*args, sm_scale=0.5 / 8.0, impl="xla")
+  assert not np.allclose(default, halved)
+
+
+@pytest.mark.parametrize(
+  "mutate, message",
+  [
+    (lambda a: {**a, "q": a["q"][0]}, "q must be"),
+    (lambda a: {**a, "q": jnp.zeros((2, 9, 2, 64), jnp.float32)}, "q_len"),
+    (lambda a: {**a, "k_pages": a["k_pages"][..., :32]}, "k_pages"),
+    (lambda a: {**a, "v_pages": a["v_pages"][:, :1]}, "v_pages"),
+    (lambda a: {**a, "q": jnp.zeros((2, 1, 3, 64), jnp.float32)}, "multiple of Hkv"),
+    (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "block_tables"),
+    (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.int16)}, "seq_lens"),
+    (lambda a: {**a, "k_pages": a["k_pages"].astype(jnp.bfloat16)}, "k_pages"),
+  ],
+)
+def test_bad_inputs_raise(mutate, message):
+  rng = np.random.default_rng(1)
+  names = ("q", "k_pages", "v_pages", "block_tables", "seq_lens")
+  args = dict(zip(names, make_case(rng, [9, 20], 1, 2, 1, 64, 16, jnp.float32), strict=True))
+  with pytest.raises(ValueError, match=message):
+    paged_decode_attention(**mutate(args), impl="xla")
+  with pytest.raises(ValueError, match="impl"):
+    paged_decode_attention(*make_case(rng, [3], 1, 1, 1, 64, 16, jnp.float32), impl="triton")
