@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
 from jaxspec.kernels.decode_attention.api import paged_decode_attention
+from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig
 
 # Output tolerances per input dtype: the inputs are exact in that dtype (the
 # float64 reference reads the same rounded values), so the error comes from
@@ -137,3 +139,54 @@ def test_bad_inputs_raise(mutate, message):
     paged_decode_attention(**mutate(args), impl="xla")
   with pytest.raises(ValueError, match="impl"):
     paged_decode_attention(*make_case(rng, [3], 1, 1, 1, 64, 16, jnp.float32), impl="triton")
+
+
+# Interpret-mode cases of the Mosaic GPU kernel (small: the interpreter is slow).
+# Lengths hit 1, page and block boundaries, chunk boundaries, rows that see
+# nothing (S < q_len) and padding slots (S = 0).
+KERNEL_CASES = [
+  # seq_lens, q_len, Hkv, G, D, page, dtype, config
+  ([70, 3, 0, 1], 3, 1, 2, 64, 16, jnp.bfloat16, TuningConfig(num_stages=2, num_chunks=2)),
+  ([1, 64, 65, 130], 1, 2, 1, 128, 32, jnp.bfloat16, TuningConfig(num_stages=2, num_chunks=3)),
+  ([200, 5], 8, 1, 8, 64, 64, jnp.float16, TuningConfig(num_stages=3, num_chunks=1)),
+  ([129, 2, 7], 7, 1, 8, 128, 16, jnp.bfloat16, TuningConfig(num_stages=4, num_chunks=2)),
+  ([100, 6], 6, 1, 12, 64, 32, jnp.bfloat16, TuningConfig(block_kv=128, num_stages=2)),
+  ([64, 191], 2, 2, 4, 64, 16, jnp.float16, None),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_interpret_matches_float64(case):
+  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
+  out = paged_decode_attention(*args, impl="pallas", interpret=True, config=config)
+  check(out, *args, dtype)
+  assert not get_races().races_found
+
+
+def test_chunk_merge_is_deterministic_and_split_invariant():
+  rng = np.random.default_rng(7)
+  args = make_case(rng, [190, 33], 2, 1, 8, 64, 16, jnp.bfloat16)
+  one = paged_decode_attention(*args, impl="pallas", interpret=True, config=TuningConfig())
+  three = paged_decode_attention(
+    *args, impl="pallas", interpret=True, config=TuningConfig(num_chunks=3)
+  )
+  again = paged_decode_attention(
+    *args, impl="pallas", interpret=True, config=TuningConfig(num_chunks=3)
+  )
+  np.testing.assert_array_equal(np.asarray(three), np.asarray(again))
+  np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(three, np.float32), atol=2e-2)
+
+
+def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
+  rng = np.random.default_rng(3)
+  args = make_case(rng, [9, 20], 2, 1, 2, 64, 16, jnp.float32)
+  with pytest.raises(ValueError, match="bf16 or fp16"):
+    paged_decode_attention(*args, impl="pallas", interpret=True)
+  check(paged_decode_attention(*args, impl="auto", interpret=True), *args, jnp.float32)
+  args = make_case(rng, [9, 20], 2, 1, 2, 96, 16, jnp.bfloat16)
+  with pytest.raises(ValueError, match="head dim"):
+    paged_decode_attention(*args, impl="pallas", interpret=True)
+  with pytest.raises(ValueError, match="block_kv"):
+    TuningConfig(block_kv=96)

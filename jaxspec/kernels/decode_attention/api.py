@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxspec.kernels.decode_attention import mosaic_gpu
 from jaxspec.kernels.decode_attention.reference import paged_decode_attention_reference
 from jaxspec.kernels.dispatch import resolve_impl
 
@@ -50,9 +51,10 @@ def paged_decode_attention(
   v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
   block_tables: jax.Array,  # int32 [B, max_pages_per_req]
   seq_lens: jax.Array,  # int32 [B], total KV length incl. the q_len new rows; 0 = padding
-  sm_scale: float | None = None,
+  sm_scale: float | None = None,  # a Python float
   impl: str = "auto",
   interpret: bool = False,
+  config: mosaic_gpu.TuningConfig | None = None,
 ) -> jax.Array:  # [B, q_len, Hq, D], q.dtype
   """Causal multi-row attention of ``q_len`` new rows over a paged KV cache.
 
@@ -60,11 +62,20 @@ def paged_decode_attention(
   ``< S - q_len + j + 1``; query head ``h`` uses KV head ``h // (Hq // Hkv)``.
   Padding slots (``S = 0``) and rows that see nothing return zeros.
   ``sm_scale`` defaults to ``1 / sqrt(D)``. ``impl`` is "auto", "pallas" or
-  "xla" (see ``jaxspec.kernels.dispatch``).
+  "xla" (see ``jaxspec.kernels.dispatch``); "auto" falls back to XLA where the
+  kernel cannot serve the inputs (e.g. fp32), "pallas" raises a ``ValueError``
+  there. ``config`` holds the kernel's tuning knobs (heuristic when ``None``).
   """
   _check_inputs(q, k_pages, v_pages, block_tables, seq_lens)
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
+  sm_scale = float(sm_scale)  # a static kernel parameter
   if resolve_impl(impl, interpret) == "pallas":
-    raise ValueError("the Pallas Mosaic GPU kernel of paged_decode_attention is not built yet")
+    reason = mosaic_gpu.unsupported_reason(q, k_pages, config)
+    if reason is None:
+      return mosaic_gpu.paged_decode_attention_mosaic(
+        q, k_pages, v_pages, block_tables, seq_lens, sm_scale, config, interpret
+      )
+    if impl == "pallas":
+      raise ValueError(f"impl='pallas' cannot serve these inputs: {reason}")
   return paged_decode_attention_reference(q, k_pages, v_pages, block_tables, seq_lens, sm_scale)

@@ -1,0 +1,330 @@
+"""Packed-row paged decode attention in Pallas Mosaic GPU (Hopper).
+
+Algorithm (FlashInfer's packed-row decode program, FlashAttention-2 online
+softmax, flash-decoding split-KV merge):
+
+* All ``G * q_len`` query rows of one (request, KV head) pair are packed into
+  one ``wgmma`` M tile of 64 rows, row ``r = j * G + g`` (token ``j``, query
+  head ``g`` of the group). Every KV page of the pair is therefore read from
+  HBM once per tile, however many draft rows there are. Pairs with more than
+  64 rows use further 64-row tiles (grid axis ``row_tile``).
+* A work item is (KV head, row tile, request, KV chunk). Its KV blocks of
+  ``block_kv`` positions are fetched page by page with TMA into a ring of
+  ``num_stages`` shared-memory slots; the page ids are read from the block
+  table inside the kernel, so no gathered copy of the cache is ever made.
+* ``Q K^T`` and ``P V`` run on the tensor cores (``wgmma``); the online
+  softmax runs in float32 in base 2 with the scale folded into ``log2(e)``.
+  The causal mask (row ``j`` sees positions ``< S - q_len + j + 1``) is only
+  evaluated on the last blocks of a request, where it can bite.
+* Length-aware split without host sync: each request's blocks are cut into
+  ``num_chunks`` equal chunks computed on the device from ``seq_lens``, so a
+  single long request spreads over all SMs while the grid shape stays static.
+  Each chunk writes its normalised output and base-2 log-sum-exp; the chunks
+  are merged afterwards in a fixed order (no atomics), so results do not
+  depend on timing.
+
+Numerics: K positions a row must not see are masked with ``where`` to -inf,
+and V rows past the request's length are zeroed in shared memory before
+``P V`` (their probability is 0, but 0 * NaN = NaN on the tensor cores), so
+garbage or NaN in unowned page slots cannot reach the output. Rows that see
+nothing keep a running max of -inf; the exponent is then shifted by 0 instead
+of -inf so no NaN is formed, and they finish with output 0 and lse -inf.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+ROWS_PER_TILE = 64  # wgmma M tile of one warpgroup
+NUM_SMS = 132  # H100 / H200 SXM
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+_LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static tuning knobs of the kernel.
+
+  Attributes:
+    block_kv: KV positions per pipeline step (the wgmma N of ``Q K^T`` and K of
+      ``P V``); a multiple of 64 and of the page size.
+    num_stages: depth of the shared-memory ring of K/V blocks in flight.
+    num_chunks: KV chunks per request (the split-KV factor); ``None`` picks it
+      from the batch size so that the grid covers the SMs about twice.
+  """
+
+  block_kv: int = 64
+  num_stages: int = 4
+  num_chunks: int | None = None
+
+  def __post_init__(self):
+    if self.block_kv <= 0 or self.block_kv % 64:
+      raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
+    if self.num_chunks is not None and self.num_chunks < 1:
+      raise ValueError(f"num_chunks must be at least 1 or None, got {self.num_chunks}")
+
+
+def default_config(head_dim: int, page_size: int) -> TuningConfig:
+  """Heuristic defaults: 64-position blocks, a ring of ~128 KiB of K/V."""
+  block_kv = max(64, page_size)
+  block_bytes = 2 * block_kv * head_dim * 2  # K and V, 16-bit
+  return TuningConfig(block_kv=block_kv, num_stages=max(2, min(8, (128 * 1024) // block_bytes)))
+
+
+def default_num_chunks(batch: int, num_kv_heads: int, row_tiles: int, max_blocks: int) -> int:
+  """Split factor so that about two waves of work items cover the SMs.
+
+  Chunks are kept at least 4 blocks long (of the longest possible request),
+  below which the merge and the pipeline fill cost more than they hide.
+  """
+  items = batch * num_kv_heads * row_tiles
+  return max(1, min(pl.cdiv(2 * NUM_SMS, items), max_blocks // 4))
+
+
+def unsupported_reason(q, k_pages, config: TuningConfig | None = None) -> str | None:
+  """Why the kernel cannot serve these inputs, or ``None`` when it can."""
+  head_dim = q.shape[-1]
+  page_size = k_pages.shape[2]
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    return f"the Mosaic GPU kernel needs bf16 or fp16 inputs, got {q.dtype}"
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return f"the Mosaic GPU kernel needs head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+  if page_size not in SUPPORTED_PAGE_SIZES:
+    return f"the Mosaic GPU kernel needs page size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
+  if config is not None and config.block_kv % page_size:
+    return f"block_kv={config.block_kv} must be a multiple of the page size {page_size}"
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
+def paged_decode_attention_mosaic(
+  q: jax.Array,  # [B, q_len, Hq, D]
+  k_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
+  v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
+  block_tables: jax.Array,  # int32 [B, max_pages_per_req]
+  seq_lens: jax.Array,  # int32 [B]
+  sm_scale: float,
+  config: TuningConfig | None = None,
+  interpret: bool = False,
+) -> jax.Array:  # [B, q_len, Hq, D], q.dtype
+  """Runs the packed-row kernel and merges its KV chunks (inputs checked by the api)."""
+  batch, q_len, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  max_pages = block_tables.shape[1]
+  group = num_q_heads // num_kv_heads
+  dtype = q.dtype
+  if config is None:
+    config = default_config(head_dim, page_size)
+  if (reason := unsupported_reason(q, k_pages, config)) is not None:
+    raise ValueError(reason)
+  block_kv, num_stages = config.block_kv, config.num_stages
+  pages_per_block = block_kv // page_size
+  num_rows = q_len * group
+  row_tiles = pl.cdiv(num_rows, ROWS_PER_TILE)
+  padded_rows = row_tiles * ROWS_PER_TILE
+  max_blocks = pl.cdiv(max_pages * page_size, block_kv)
+  num_chunks = config.num_chunks or default_num_chunks(batch, num_kv_heads, row_tiles, max_blocks)
+  qk_scale = sm_scale * _LOG2E  # softmax in base 2: exp(s) = exp2(s * log2(e))
+
+  # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
+  q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+  q_packed = q_packed.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
+  q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
+
+  def kernel(
+    block_tables_ref,  # GMEM int32 [B, max_pages]
+    seq_lens_ref,  # GMEM int32 [B]
+    q_ref,  # GMEM [B, Hkv, padded_rows, D]
+    k_ref,  # GMEM [Hkv, num_pages, page_size, D]
+    v_ref,  # GMEM [Hkv, num_pages, page_size, D]
+    out_ref,  # GMEM [B * num_chunks, Hkv, padded_rows, D]
+    lse_ref,  # GMEM f32 [B * num_chunks, Hkv, padded_rows]
+    qo_smem,  # [64, D], Q tile, then the output tile
+    k_smem,  # [num_stages, block_kv, D]
+    v_smem,  # [num_stages, block_kv, D]
+    p_smem,  # [64, block_kv], probabilities of the current block
+    lse_smem,  # f32 [64]
+    q_barrier,
+    k_barriers,  # [num_stages], one arrival per page copy
+    v_barriers,
+  ):
+    kv_head = lax.axis_index("kv_head")
+    row_tile = lax.axis_index("row_tile")
+    item = lax.axis_index("item")
+    request = lax.div(item, num_chunks)
+    chunk = lax.rem(item, num_chunks)
+    row_base = row_tile * ROWS_PER_TILE
+
+    # The chunk plan, from the request's length on the device.
+    seq_len = seq_lens_ref[request]
+    num_blocks = lax.div(seq_len + (block_kv - 1), block_kv)
+    chunk_blocks = lax.div(num_blocks + (num_chunks - 1), num_chunks)
+    start = jnp.minimum(chunk * chunk_blocks, num_blocks)
+    end = jnp.minimum(start + chunk_blocks, num_blocks)
+    num_steps = end - start
+    # Blocks entirely below the first row's limit S - q_len + 1 need no mask.
+    first_limit = seq_len - (q_len - 1)
+    unmasked_end = jnp.clip(lax.div(jnp.maximum(first_limit, 0), block_kv), start, end)
+
+    plgpu.copy_gmem_to_smem(
+      q_ref.at[request, kv_head, pl.ds(row_base, ROWS_PER_TILE)], qo_smem, q_barrier
+    )
+
+    def fetch(block, slot):
+      for p in range(pages_per_block):
+        # Entries past the request's pages may be garbage: clamp into range;
+        # the mask and the V zeroing below discard what they bring.
+        page_index = jnp.minimum(block * pages_per_block + p, max_pages - 1)
+        page = jnp.clip(block_tables_ref[request, page_index], 0, num_pages - 1)
+        rows = pl.ds(p * page_size, page_size)
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
+
+    for s in range(num_stages):
+      pl.when(s < num_steps)(functools.partial(fetch, start + s, s))
+
+    def step(i, carry, masked):
+      acc, m_i, l_i = carry
+      block = start + i
+      slot = lax.rem(i, num_stages)
+      plgpu.barrier_wait(k_barriers.at[slot])
+
+      def compute_qk(acc_ref):
+        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      qk = pl.run_scoped(compute_qk, plgpu.ACC((ROWS_PER_TILE, block_kv), jnp.float32))
+      qk = qk * qk_scale  # [64, block_kv], base-2 logits
+      if masked:
+        rows = plgpu.broadcasted_iota(
+          jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA
+        )  # packed row r = j * G + g
+        cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
+        # pos < S - q_len + 1 + j  <=>  (pos - S + q_len) * G <= r  (no division).
+        visible = (cols + (block * block_kv - seq_len + q_len)) * group <= rows + row_base
+        qk = jnp.where(visible, qk, -jnp.inf)
+      m_new = jnp.maximum(m_i, qk.max(axis=1))
+      # A row that has seen nothing yet has max -inf: shift by 0 to avoid inf - inf.
+      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_shift)
+      p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [0]))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      plgpu.barrier_wait(v_barriers.at[slot])
+      if masked:
+
+        @pl.when((block + 1) * block_kv > seq_len)
+        def _zero_tail():
+          v_block = v_smem.at[slot]
+          positions = plgpu.broadcasted_iota(
+            jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA
+          )
+          values = plgpu.load(v_block, layout=plgpu.Layout.WGMMA)
+          v_block[...] = jnp.where(positions + block * block_kv < seq_len, values, 0)
+          plgpu.commit_smem()  # make the stores visible to the tensor cores
+
+      # P goes through shared memory: the wgmma A operand is read from there
+      # (the GPU interpreter only models that form).
+      p_smem[...] = p.astype(dtype)
+      plgpu.commit_smem()
+
+      def compute_pv(pv_ref):
+        plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+        return pv_ref[...]
+
+      acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+      # Both wgmmas on this slot are complete: refill it.
+      refill = i + num_stages
+      pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
+      return acc, m_new, l_i
+
+    m_i = plgpu.layout_cast(
+      jnp.full((ROWS_PER_TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+    )
+    l_i = plgpu.layout_cast(
+      jnp.full((ROWS_PER_TILE,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+    )
+    acc = plgpu.layout_cast(
+      jnp.full((ROWS_PER_TILE, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
+    )
+    plgpu.barrier_wait(q_barrier)
+    carry = (acc, m_i, l_i)
+    carry = lax.fori_loop(0, unmasked_end - start, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(
+      unmasked_end - start, num_steps, functools.partial(step, masked=True), carry
+    )
+    acc, m_i, l_i = carry
+
+    seen = l_i > 0.0
+    inv_l = 1.0 / jnp.where(seen, l_i, 1.0)  # rows that saw nothing have acc = 0
+    acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    qo_smem[...] = acc.astype(dtype)
+    lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+    plgpu.commit_smem()
+    tile = pl.ds(row_base, ROWS_PER_TILE)
+    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[item, kv_head, tile])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[item, kv_head, tile])
+    plgpu.wait_smem_to_gmem(0)
+
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = [
+    plgpu.SMEM((ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
+    plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+    plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+    plgpu.SMEM((ROWS_PER_TILE, block_kv), dtype, transforms=transforms),
+    plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
+    plgpu.Barrier(),
+    plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
+    plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
+  ]
+  num_items = batch * num_chunks
+  out_type = (
+    jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), dtype),
+    jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows), jnp.float32),
+  )
+  partial_out, partial_lse = plgpu.kernel(
+    kernel,
+    out_type=out_type,
+    scratch_types=scratch,
+    grid=(num_kv_heads, row_tiles, num_items),
+    grid_names=("kv_head", "row_tile", "item"),
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
+  )(block_tables, seq_lens, q_packed, k_pages, v_pages)
+
+  out = merge_chunks(
+    partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
+    partial_lse.reshape(batch, num_chunks, num_kv_heads, padded_rows),
+  )  # [B, Hkv, padded_rows, D]
+  out = out[:, :, :num_rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
+  return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
+
+
+def merge_chunks(
+  partial_out: jax.Array,  # [B, C, Hkv, R, D], each chunk normalised on its own
+  partial_lse: jax.Array,  # f32 [B, C, Hkv, R], base-2 log-sum-exp, -inf = saw nothing
+) -> jax.Array:  # [B, Hkv, R, D], partial_out.dtype
+  """Log-sum-exp merge of KV chunks over axis 1, in a fixed order.
+
+  ``o = sum_c 2^(lse_c - M) o_c / sum_c 2^(lse_c - M)`` with ``M = max_c lse_c``;
+  rows no chunk saw (all -inf) get weight 0 everywhere and output 0.
+  """
+  if partial_out.shape[1] == 1:
+    return partial_out[:, 0]
+  lse_max = jnp.max(partial_lse, axis=1, keepdims=True)
+  lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
+  weights = jnp.exp2(partial_lse - lse_max)  # [B, C, Hkv, R], 0 for empty chunks
+  total = jnp.sum(weights, axis=1)
+  merged = jnp.einsum("bchr,bchrd->bhrd", weights, partial_out.astype(jnp.float32))
+  merged = merged / jnp.where(total > 0.0, total, 1.0)[..., None]
+  return merged.astype(partial_out.dtype)
