@@ -17,7 +17,10 @@ Algorithm (semantics in ``reference.py``): one thread block of one warpgroup
 Everything is one launch: the fused XLA expression costs several kernels
 (gather, elementwise, row reduction) whose launch gaps dominate at small ``T``.
 The op is memory bound: ``8 * T * K`` bytes of top-k in and physical slots out;
-the block table is small and stays in L2.
+the block table is small and stays in L2. Measured on an H200 (top-k 2048,
+block 64, ``benchmarks/bench_sparse_index.py``): 19.9 us at T = 4096, 3.4 TB/s
+(the floor at 4.5 TB/s is 14.9 us), 1.7x faster than the fused XLA expression
+in kernel time; 1.8 us at T = 64, 2.2x.
 
 Why the lookup is written with ``plgpu.inline_mgpu``: Pallas Mosaic GPU has no
 gather primitive. Its loads and stores move whole arrays in a register layout
