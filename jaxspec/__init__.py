@@ -1,0 +1,7 @@
+"""jaxspec: speculative decoding of GLM-style mixture-of-experts models in JAX and Pallas."""
+
+from jaxspec.model import GlmConfig, GlmForCausalLM, load_pretrained, save_pretrained
+
+__version__ = "0.1.0"
+
+__all__ = ["GlmConfig", "GlmForCausalLM", "load_pretrained", "save_pretrained"]
