@@ -1,0 +1,243 @@
+"""Plain (non-speculative) batched generation over the paged cache.
+
+Requests of different prompt lengths are padded into a static batch bucket (a power of two up to
+`max_batch_size`) and a prompt-length bucket; each wave runs one prefill step and then one decode
+step per new token. Only the sampled token ids come back to the host each step, to check stop
+tokens and lengths.
+"""
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxspec.model.moe import choose_moe_impl
+from jaxspec.model.transformer import GlmForCausalLM
+from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache
+from jaxspec.serving.sampling import GREEDY, SamplingParams
+from jaxspec.serving.steps import decode_step, prefill_step
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static sizes of the serving engine.
+
+  `num_pages` defaults to enough pages for `max_batch_size` requests of `max_seq_len` tokens.
+  `shuffle_pages_seed` hands pages out in random order (tests use it).
+  """
+
+  max_batch_size: int = 8
+  max_seq_len: int = 1024
+  page_size: int = 16
+  num_pages: int | None = None
+  min_prompt_bucket: int = 16
+  attention_impl: str = "auto"
+  shuffle_pages_seed: int | None = None
+
+  def __post_init__(self):
+    for name in ("max_batch_size", "max_seq_len", "page_size", "min_prompt_bucket"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+  @property
+  def max_pages_per_request(self) -> int:
+    return math.ceil(self.max_seq_len / self.page_size)
+
+  @property
+  def total_pages(self) -> int:
+    return self.num_pages or self.max_batch_size * self.max_pages_per_request
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+  """Generated token ids per request (prompt excluded, stop token included) and timings."""
+
+  tokens: list[list[int]]
+  metrics: dict
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+  """Smallest power of two >= max(n, minimum): the static shape a dynamic size is padded to."""
+  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+class Generator:
+  """Batched prefill + decode of a `GlmForCausalLM` with a paged KV cache.
+
+  Example:
+    gen = Generator(model, EngineConfig(max_seq_len=256))
+    out = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)
+  """
+
+  def __init__(self, model: GlmForCausalLM, config: EngineConfig = EngineConfig()):
+    self.model = model
+    self.config = config
+    self.graphdef, self.params = nnx.split(model)
+    self.allocator = BlockAllocator(
+      config.total_pages, config.page_size, shuffle_seed=config.shuffle_pages_seed
+    )
+    self.cache = PagedKVCache.create(
+      model.config,
+      model.config.num_hidden_layers,
+      config.total_pages,
+      config.page_size,
+      model.dtype,
+    )
+
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams = GREEDY,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    progress: bool = False,
+  ) -> GenerationOutput:
+    """Generates up to `max_new_tokens` tokens per prompt; stops a request at a stop token.
+
+    `stop_token_ids` defaults to the config's `eos_token_id`; pass `()` to never stop early.
+    """
+    prompts = [list(map(int, p)) for p in prompts]
+    self._check_requests(prompts, max_new_tokens)
+    stop = set(self.model.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    key = jax.random.key(seed)
+    outputs, first_token_times, step_times = [], [], []
+    start = time.perf_counter()
+    bar = tqdm(
+      total=len(prompts) * max_new_tokens, desc="generating", unit="tok", disable=not progress
+    )
+    for wave_start in range(0, len(prompts), self.config.max_batch_size):
+      wave = prompts[wave_start : wave_start + self.config.max_batch_size]
+      key, wave_key = jax.random.split(key)
+      tokens, ttft, times = self._generate_wave(wave, max_new_tokens, sampling, wave_key, stop, bar)
+      outputs.extend(tokens)
+      first_token_times.append(ttft)
+      step_times.extend(times)
+    bar.close()
+    elapsed = time.perf_counter() - start
+    generated = sum(len(t) for t in outputs)
+    metrics = {
+      "num_requests": len(prompts),
+      "generated_tokens": generated,
+      "elapsed_s": elapsed,
+      "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+      "ttft_s": float(np.mean(first_token_times)),
+      "itl_s": float(np.mean(step_times)) if step_times else 0.0,
+      "tpot_s": (elapsed - float(np.sum(first_token_times))) / max(generated - len(prompts), 1),
+    }
+    return GenerationOutput(tokens=outputs, metrics=metrics)
+
+  def _check_requests(self, prompts, max_new_tokens):
+    if not prompts:
+      raise ValueError("prompts must hold at least one request")
+    if max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    vocab = self.model.config.vocab_size
+    for i, prompt in enumerate(prompts):
+      if not prompt:
+        raise ValueError(f"prompt {i} is empty")
+      if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+      if len(prompt) + max_new_tokens > self.config.max_seq_len:
+        raise ValueError(
+          f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+          f"max_seq_len ({self.config.max_seq_len})"
+        )
+
+  def _generate_wave(self, prompts, max_new_tokens, sampling, key, stop, bar):
+    cfg = self.config
+    num_requests = len(prompts)
+    batch = bucket(num_requests)
+    prompt_bucket = min(bucket(max(map(len, prompts)), cfg.min_prompt_bucket), cfg.max_seq_len)
+    input_ids = np.zeros((batch, prompt_bucket), np.int32)
+    prompt_lens = np.zeros((batch,), np.int32)
+    block_tables = np.zeros((batch, cfg.max_pages_per_request), np.int32)
+    owned = []
+    try:
+      for b, prompt in enumerate(prompts):
+        input_ids[b, : len(prompt)] = prompt
+        prompt_lens[b] = len(prompt)
+        pages = self.allocator.allocate(self.allocator.pages_for(len(prompt) + max_new_tokens))
+        owned.append(pages)
+        block_tables[b, : len(pages)] = pages
+      return self._run_wave(
+        input_ids, prompt_lens, block_tables, num_requests, max_new_tokens, sampling, key, stop, bar
+      )
+    finally:
+      for pages in owned:
+        self.allocator.free(pages)
+
+  def _run_wave(
+    self,
+    input_ids,
+    prompt_lens,
+    block_tables,
+    num_requests,
+    max_new_tokens,
+    sampling,
+    key,
+    stop,
+    bar,
+  ):
+    batch = input_ids.shape[0]
+    attention_impl = self.config.attention_impl
+    block_tables_dev = jnp.asarray(block_tables)
+    t0 = time.perf_counter()
+    key, step_key = jax.random.split(key)
+    next_tokens, _, self.cache = prefill_step(
+      self.graphdef,
+      self.params,
+      self.cache,
+      jnp.asarray(input_ids),
+      jnp.asarray(prompt_lens),
+      block_tables_dev,
+      step_key,
+      sampling=sampling,
+      moe_impl=choose_moe_impl(input_ids.size, self.model.config),
+      attention_impl=attention_impl,
+    )
+    host_tokens = np.asarray(next_tokens)
+    ttft = time.perf_counter() - t0
+    generated = [[int(host_tokens[b])] for b in range(num_requests)]
+    done = np.array(
+      [len(g) >= max_new_tokens or g[-1] in stop for g in generated]
+      + [True] * (batch - num_requests)
+    )
+    lengths = prompt_lens.copy()  # tokens already in the cache per request
+    bar.update(num_requests)
+    step_times = []
+    decode_moe = choose_moe_impl(batch, self.model.config)
+    while not done.all():
+      t_step = time.perf_counter()
+      seq_lens = np.where(done, 0, lengths + 1).astype(np.int32)
+      key, step_key = jax.random.split(key)
+      next_tokens, self.cache = decode_step(
+        self.graphdef,
+        self.params,
+        self.cache,
+        jnp.asarray(host_tokens[:, None]),
+        jnp.asarray(seq_lens),
+        block_tables_dev,
+        step_key,
+        sampling=sampling,
+        moe_impl=decode_moe,
+        attention_impl=attention_impl,
+      )
+      new_tokens = np.asarray(next_tokens)
+      step_times.append(time.perf_counter() - t_step)
+      for b in range(num_requests):
+        if done[b]:
+          continue
+        lengths[b] += 1
+        generated[b].append(int(new_tokens[b]))
+        bar.update(1)
+        done[b] = len(generated[b]) >= max_new_tokens or generated[b][-1] in stop
+      host_tokens = np.where(done, host_tokens, new_tokens)
+    return generated, ttft, step_times
