@@ -170,3 +170,47 @@ class GlmForCausalLM(nnx.Module):
       return self.model.embed_tokens.attend(hidden)
     kernel = self.lm_head.kernel[...]
     return jnp.dot(hidden.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+
+  # ------------------------------------------------------------------------------------------------
+  # Multi-token prediction (the draft head).
+
+  def mtp_forward(
+    self,
+    next_ids: jax.Array,  # int32 [B, T]: token at position t + 1 for row t
+    previous_hidden: jax.Array,  # [B, T, H]: hidden state of position t
+    positions: jax.Array,  # int32 [B, T]: RoPE position of each row (t + 1)
+    kv_pages: KVPages | None = None,
+    batch: AttentionBatch | None = None,
+    *,
+    moe_impl: MoeImpl,
+    last_token_indices: jax.Array | None = None,  # int32 [R]: flat rows (b * T + t) to keep
+  ):
+    """Runs the MTP layer: `eh_proj([enorm(embed(next)), hnorm(hidden)])`, one decoder layer.
+
+    Attention (and its KV writes) runs on every row. With `last_token_indices`, the rows are
+    gathered right after attention, so the post-attention norm and MoE run on `R` rows only
+    (row pruning, as vLLM's GLM MTP draft step); `moe_impl` is decided by the caller from the
+    unpruned token count. Returns (hidden [B, T, H] or [R, H] *before* `shared_head.norm`, which
+    is what the next draft step consumes, and kv_pages). `mtp_logits` applies the norm and head.
+
+    The hidden state of position t is the target's output after its final norm; the embedding
+    comes first in the concatenation (transformers' `MtpLayer`, vLLM's `glm4_moe_mtp`).
+    """
+    if self.mtp is None:
+      raise ValueError("this model has no MTP layer (num_nextn_predict_layers = 0)")
+    mtp = self.mtp
+    embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.model.embed_tokens
+    x = jnp.concatenate([mtp.enorm(embed(next_ids)), mtp.hnorm(previous_hidden)], axis=-1)
+    x = mtp.eh_proj(x)
+    h, kv_pages = mtp.layer.attend(x, positions, kv_pages, batch)
+    if last_token_indices is not None:
+      h = jnp.take(h.reshape(-1, h.shape[-1]), last_token_indices, axis=0)  # [R, H]
+    return mtp.layer.feed_forward(h, moe_impl=moe_impl), kv_pages
+
+  def mtp_logits(self, mtp_hidden: jax.Array) -> jax.Array:
+    """`shared_head.norm` then the lm head (the MTP's own copy when the checkpoint has one)."""
+    normed = self.mtp.shared_head_norm(mtp_hidden)
+    if self.mtp.shared_head_head is not None:
+      kernel = self.mtp.shared_head_head.kernel[...]
+      return jnp.dot(normed.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+    return self.logits(normed)
