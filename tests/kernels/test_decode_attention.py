@@ -190,3 +190,49 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     paged_decode_attention(*args, impl="pallas", interpret=True)
   with pytest.raises(ValueError, match="block_kv"):
     TuningConfig(block_kv=96)
+
+
+def _coverage_cases():
+  """Every q_len 1..8, G in {1, 2, 4, 8, 12, 16}, D 64/128, page 16/32/64, bf16/fp16."""
+  groups, head_dims, pages, dtypes = (1, 2, 4, 8, 12, 16), (64, 128), (16, 32, 64), (0, 1)
+  cases = []
+  for i, q_len in enumerate(range(1, 9)):
+    for g_index, group in enumerate(groups):
+      cases.append(
+        (
+          q_len,
+          group,
+          head_dims[(i + g_index) % 2],
+          pages[(i + g_index) % 3],
+          (jnp.bfloat16, jnp.float16)[dtypes[(i * 7 + g_index) % 2]],
+        )
+      )
+  return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_kernel_gpu_small_cases(case):
+  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
+  check(paged_decode_attention(*args, impl="pallas", config=config), *args, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _coverage_cases())
+def test_kernel_gpu_coverage(case):
+  q_len, group, head_dim, page_size, dtype = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  seq_lens = [0, 1, q_len, page_size + 1, int(rng.integers(200, 700))]
+  args = make_case(rng, seq_lens, q_len, 2, group, head_dim, page_size, dtype)
+  check(paged_decode_attention(*args, impl="pallas"), *args, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, max_len", [(1, 9000), (6, 3000)])
+def test_kernel_gpu_large_random(batch, max_len):
+  rng = np.random.default_rng(batch)
+  seq_lens = rng.integers(1, max_len, size=batch)
+  args = make_case(rng, seq_lens, 7, 2, 8, 128, 16, jnp.bfloat16)
+  check(paged_decode_attention(*args, impl="pallas"), *args, jnp.bfloat16)
