@@ -1,0 +1,5 @@
+"""Training recipe for the embedded default model: stdlib corpus, byte-level BPE, joint MTP loss."""
+
+from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, Trainer, train
+
+__all__ = ["MODEL_PRESETS", "TrainConfig", "Trainer", "train"]

@@ -1,0 +1,520 @@
+"""Joint training of a GLM-4.5-style MoE target and its MTP draft head, DeepSeek-V3 style.
+
+Loss (arXiv:2412.19437, section 2.2): `L = CE(next token) + mtp_weight / D * sum_d CE_d`.
+Row t of the MTP layer takes the target's hidden state of position t (after the final norm) and
+the true token of position t + 1, at RoPE position t + 1, and predicts the token of position t + 2
+(depth 1). Gradients of both terms flow into the shared trunk, embedding and lm head (DeepSeek-V3
+uses a weight of 0.3 early and 0.1 later; one constant weight is used here).
+
+GLM ships one MTP layer and the draft loop applies it again to its own output for the later draft
+positions. DeepSeek-V3 trains D separate modules; here the one layer is trained at depths
+1..`mtp_depth` by applying it recurrently (depth d: the MTP hidden state of depth d - 1 and the
+true token t + d, at position t + d, predict token t + d + 1), so that it learns to consume its own
+hidden state as the draft loop feeds it.
+
+Numerics: float32 master parameters and AdamW moments; the forward pass runs on a bfloat16 copy
+of the parameters (the router's correction bias stays float32, as the model keeps it), logits and
+losses in float32. Learning rate: linear warm-up, then cosine decay to `min_lr_ratio * lr`. The
+whole update is one jitted function over the split NNX state; the training stream lives on the
+device and windows are sampled there, so the host only feeds a key and the learning rate.
+"""
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxspec.model.config import GlmConfig
+from jaxspec.model.transformer import GlmForCausalLM
+from jaxspec.model.weights import save_pretrained
+from jaxspec.training import bpe, corpus
+
+MOE_IMPL = "grouped"  # training runs every token through the experts: one grouped GEMM each
+
+
+def default_model_config(vocab_size: int) -> GlmConfig:
+  """The embedded default model: ~6.1M parameters, about 12 MB in bf16.
+
+  4 layers (first dense, then MoE), hidden 256, GQA 8 query / 2 KV heads of 32, partial RoPE 0.5,
+  q/k norm and q/k/v bias as GLM-4.5, 8 routed experts (top-2) plus 1 shared, one MTP layer.
+  """
+  return GlmConfig(
+    vocab_size=vocab_size,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    rope_theta=10000.0,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    moe_intermediate_size=96,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    routed_scaling_factor=1.0,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=0,
+  )
+
+
+def smoke_model_config(vocab_size: int) -> GlmConfig:
+  """A model of a few hundred kilobytes with the same structure, for CPU smoke runs."""
+  return default_model_config(vocab_size).replace(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+  )
+
+
+MODEL_PRESETS = {"default": default_model_config, "smoke": smoke_model_config}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything that defines a training run; written into `training_log.json`.
+
+  `time_budget_s`, when set, caps the number of steps: the step time is measured during the
+  warm-up (before the cosine decay starts, so the schedule stays consistent) and the total is cut
+  to what fits, evaluations included.
+  """
+
+  model_preset: str = "default"
+  vocab_size: int = 4096
+  steps: int = 4000
+  batch_size: int = 64
+  seq_len: int = 512
+  learning_rate: float = 3e-3
+  min_lr_ratio: float = 0.1
+  warmup_steps: int = 200
+  weight_decay: float = 0.1
+  adam_b1: float = 0.9
+  adam_b2: float = 0.95
+  grad_clip: float = 1.0
+  mtp_weight: float = 0.3
+  mtp_depth: int = 2
+  eval_draft_depth: int = 3
+  eval_every: int = 250
+  eval_batch_size: int = 32
+  max_eval_windows: int | None = None
+  log_every: int = 10
+  max_train_files: int | None = None
+  seed: int = 0
+  time_budget_s: float | None = None
+
+  def __post_init__(self):
+    if self.model_preset not in MODEL_PRESETS:
+      raise ValueError(f"model_preset must be one of {sorted(MODEL_PRESETS)}")
+    positive = ("steps", "batch_size", "seq_len", "warmup_steps", "eval_every", "log_every")
+    for name in positive + ("mtp_depth", "eval_draft_depth"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if self.warmup_steps >= self.steps:
+      raise ValueError(f"warmup_steps ({self.warmup_steps}) must be below steps ({self.steps})")
+
+
+def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
+  """Linear warm-up to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate`."""
+  if step < config.warmup_steps:
+    return config.learning_rate * (step + 1) / config.warmup_steps
+  progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
+  cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+  return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+# --------------------------------------------------------------------------------------------------
+# Data.
+
+
+def encode_files(tokenizer, files: list[corpus.SourceFile]) -> np.ndarray:
+  """One int32 stream: each file's tokens followed by `<|endoftext|>`."""
+  eos = tokenizer.token_to_id(bpe.END_OF_TEXT)
+  pieces = []
+  for encoding in tokenizer.encode_batch_fast([f.text for f in files]):
+    pieces.append(np.asarray(encoding.ids, np.int32))
+    pieces.append(np.asarray([eos], np.int32))
+  return np.concatenate(pieces)
+
+
+def eval_windows(
+  stream: np.ndarray, seq_len: int, depth: int, max_windows: int | None
+) -> np.ndarray:
+  """Non-overlapping windows (inputs advance by `seq_len`) of `seq_len + 1 + depth` tokens."""
+  window = seq_len + 1 + depth
+  count = (len(stream) - window) // seq_len + 1 if len(stream) >= window else 0
+  if max_windows is not None:
+    count = min(count, max_windows)
+  if count == 0:
+    raise ValueError(f"held-out stream of {len(stream)} tokens is shorter than a window ({window})")
+  starts = np.arange(count) * seq_len
+  return stream[starts[:, None] + np.arange(window)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Model pieces used by the loss and the evaluation.
+
+
+def _compute_params(params):
+  """bf16 copy of the float32 master parameters; the router correction bias stays float32."""
+
+  def cast(path, value):
+    if "e_score_correction_bias" in jax.tree_util.keystr(path):
+      return value
+    return value.astype(jnp.bfloat16)
+
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _joint_logits(model: GlmForCausalLM, windows: jax.Array, depth: int):
+  """windows: int32 [B, T + 1 + depth] -> (target logits [B, T, V], [MTP logits [B, T, V]] * depth).
+
+  Target row t predicts token t + 1. The MTP layer is applied `depth` times, as the draft loop
+  applies it: at depth d, row t takes the hidden state of depth d - 1 (the target's for d = 1,
+  else the MTP layer's own output before `shared_head.norm`) and the true token t + d, at RoPE
+  position t + d, and predicts token t + d + 1. Teacher forcing: true tokens replace the drafts.
+  """
+  seq_len = windows.shape[1] - 1 - depth
+  inputs = windows[:, :seq_len]  # [B, T]
+  positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), inputs.shape)
+  hidden, _ = model.forward(inputs, positions, moe_impl=MOE_IMPL)  # [B, T, H]
+  mtp_logits = []
+  previous = hidden
+  for d in range(1, depth + 1):
+    previous, _ = model.mtp_forward(
+      windows[:, d : seq_len + d], previous, positions + d, moe_impl=MOE_IMPL
+    )
+    mtp_logits.append(model.mtp_logits(previous))
+  return model.logits(hidden), mtp_logits
+
+
+def _decay_mask(params):
+  """Weight decay on matrices and embeddings only (not on norms, biases, router bias)."""
+  return jax.tree.map(lambda value: value.ndim >= 2, params)
+
+
+class Trainer:
+  """Holds the split model state and the jitted train / eval steps."""
+
+  def __init__(self, model_config: GlmConfig, config: TrainConfig):
+    self.config = config
+    model = GlmForCausalLM(model_config, dtype=jnp.float32, rngs=nnx.Rngs(config.seed))
+    self.graphdef, self.params = nnx.split(model, nnx.Param)
+    self.optimizer = optax.chain(
+      optax.clip_by_global_norm(config.grad_clip),
+      optax.scale_by_adam(b1=config.adam_b1, b2=config.adam_b2),
+      optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
+    )
+    self.opt_state = self.optimizer.init(self.params)
+    self._train_step = jax.jit(self._step, donate_argnums=(0, 1))
+    self._eval_step = jax.jit(self._eval)
+
+  @property
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.params))
+
+  def model(self) -> GlmForCausalLM:
+    return nnx.merge(self.graphdef, self.params)
+
+  def _loss(self, params, windows):
+    """`CE(next) + mtp_weight * mean_d CE(depth d)`, as DeepSeek-V3's `lambda / D * sum_d L_d`."""
+    model = nnx.merge(self.graphdef, _compute_params(params))
+    depth = self.config.mtp_depth
+    seq_len = windows.shape[1] - 1 - depth
+    logits, mtp_logits = _joint_logits(model, windows, depth)
+    lm_loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits, windows[:, 1 : seq_len + 1]
+    ).mean()
+    mtp_losses = jnp.stack(
+      [
+        optax.softmax_cross_entropy_with_integer_labels(
+          mtp_logits[d - 1], windows[:, d + 1 : seq_len + d + 1]
+        ).mean()
+        for d in range(1, depth + 1)
+      ]
+    )
+    return lm_loss + self.config.mtp_weight * jnp.mean(mtp_losses), (lm_loss, mtp_losses)
+
+  def _step(self, params, opt_state, stream, key, lr):
+    """One AdamW update on `batch_size` windows sampled from the on-device stream."""
+    cfg = self.config
+    window = cfg.seq_len + 1 + cfg.mtp_depth
+    starts = jax.random.randint(key, (cfg.batch_size,), 0, stream.shape[0] - window + 1)
+    windows = stream[starts[:, None] + jnp.arange(window)]  # [B, T + 1 + depth]
+    grads, (lm_loss, mtp_losses) = jax.grad(self._loss, has_aux=True)(params, windows)
+    updates, opt_state = self.optimizer.update(grads, opt_state, params)
+    params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+    metrics = {
+      "loss": lm_loss + cfg.mtp_weight * jnp.mean(mtp_losses),
+      "lm_loss": lm_loss,
+      "mtp_loss": mtp_losses[0],
+      "grad_norm": optax.tree.norm(grads),
+    } | {f"mtp_loss_depth{d + 1}": mtp_losses[d] for d in range(1, cfg.mtp_depth)}
+    return params, opt_state, metrics
+
+  def _eval(self, params, windows, weights):
+    """Per-window means summed over a batch of held-out windows; `weights` [B] is 0 for padding.
+
+    `mtp_agreement`: rows where argmax of the (depth-1) MTP logits equals argmax of the target's
+    logits at t + 1, the first draft position's greedy acceptance under teacher forcing.
+    `chain_acceptance_d`: rows where drafts 1..d all agree with the target's argmax at t + 1..d;
+    `1 + sum_d chain_acceptance_d` estimates the tokens per verify step with k = eval depth.
+    """
+    model = nnx.merge(self.graphdef, _compute_params(params))
+    depth = self.config.eval_draft_depth
+    seq_len = windows.shape[1] - 1 - depth
+    logits, mtp_logits = _joint_logits(model, windows, depth)
+    next_tokens = windows[:, 1 : seq_len + 1]
+    target_argmax = jnp.argmax(logits, axis=-1)  # [B, T]
+    mtp_argmax = [jnp.argmax(x, axis=-1) for x in mtp_logits]  # depth x [B, T]
+
+    def window_mean(values):  # [B, rows] -> weighted sum over the batch of per-window means
+      return jnp.sum(jnp.mean(values.astype(jnp.float32), axis=-1) * weights)
+
+    sums = {
+      "lm_loss": window_mean(optax.softmax_cross_entropy_with_integer_labels(logits, next_tokens)),
+      "next_token_accuracy": window_mean(target_argmax == next_tokens),
+      "mtp_loss": window_mean(
+        optax.softmax_cross_entropy_with_integer_labels(mtp_logits[0], windows[:, 2 : seq_len + 2])
+      ),
+      "mtp_accuracy": window_mean(mtp_argmax[0] == windows[:, 2 : seq_len + 2]),
+      "mtp_agreement": window_mean(mtp_argmax[0][:, :-1] == target_argmax[:, 1:]),
+    }
+    # Chains use rows t < T - depth, where the target's argmax at t + depth exists.
+    rows = seq_len - depth
+    accepted = jnp.ones((windows.shape[0], rows), bool)
+    for d in range(1, depth + 1):
+      accepted &= mtp_argmax[d - 1][:, :rows] == target_argmax[:, d : rows + d]
+      sums[f"chain_acceptance_{d}"] = window_mean(accepted)
+    return sums
+
+  def train_step(self, stream, key, lr: float) -> dict:
+    self.params, self.opt_state, metrics = self._train_step(
+      self.params, self.opt_state, stream, key, jnp.float32(lr)
+    )
+    return metrics
+
+  def evaluate(self, windows: np.ndarray) -> dict[str, float]:
+    """Means over all rows of the held-out windows."""
+    batch = self.config.eval_batch_size
+    padded = -(-len(windows) // batch) * batch
+    weights = np.zeros(padded, np.float32)
+    weights[: len(windows)] = 1.0
+    windows = np.concatenate(
+      [windows, np.zeros((padded - len(windows), windows.shape[1]), np.int32)]
+    )
+    totals = None
+    for start in range(0, padded, batch):
+      sums = self._eval_step(
+        self.params,
+        jnp.asarray(windows[start : start + batch]),
+        jnp.asarray(weights[start:][:batch]),
+      )
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    metrics = {name: float(value) / len(weights[weights > 0]) for name, value in totals.items()}
+    depth = self.config.eval_draft_depth
+    metrics[f"tokens_per_step_k{depth}"] = 1.0 + sum(
+      metrics[f"chain_acceptance_{d}"] for d in range(1, depth + 1)
+    )
+    return metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# Greedy sampling for the log (plain full forward over a fixed-size buffer: one compile).
+
+
+def greedy_continuation(model: GlmForCausalLM, prompt_ids: list[int], new_tokens: int) -> list[int]:
+  """Greedy decoding by re-running the causal forward over a fixed buffer (no cache)."""
+  length = len(prompt_ids) + new_tokens
+  buffer = np.zeros((1, length), np.int32)
+  buffer[0, : len(prompt_ids)] = prompt_ids
+
+  @jax.jit
+  def next_token(ids, position):
+    return jnp.argmax(model(ids)[0, position]).astype(jnp.int32)
+
+  for position in range(len(prompt_ids) - 1, length - 1):
+    buffer[0, position + 1] = int(next_token(jnp.asarray(buffer), position))
+  return buffer[0, len(prompt_ids) :].tolist()
+
+
+# --------------------------------------------------------------------------------------------------
+# The run.
+
+
+def plot_losses(log: dict[str, Any], path: Path) -> None:
+  """Training losses (smoothed), held-out losses and the teacher-forced MTP agreement."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  history, evals = log["history"], log["evals"]
+  steps = [h["step"] for h in history]
+  fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+  ax_loss.plot(steps, [h["lm_loss"] for h in history], label="train next-token CE", alpha=0.8)
+  ax_loss.plot(steps, [h["mtp_loss"] for h in history], label="train MTP CE (t+2)", alpha=0.8)
+  eval_steps = [e["step"] for e in evals]
+  ax_loss.plot(eval_steps, [e["lm_loss"] for e in evals], "o-", label="held-out next-token CE")
+  ax_loss.plot(eval_steps, [e["mtp_loss"] for e in evals], "s-", label="held-out MTP CE")
+  ax_loss.set_xlabel("step")
+  ax_loss.set_ylabel("cross-entropy (nats / token)")
+  ax_loss.set_ylim(0, max(2.0, min(8.0, history[min(len(history) - 1, 5)]["loss"])))
+  ax_loss.legend()
+  ax_loss.grid(alpha=0.3)
+  ax_acc.plot(eval_steps, [e["next_token_accuracy"] for e in evals], "o-", label="target top-1")
+  ax_acc.plot(eval_steps, [e["mtp_accuracy"] for e in evals], "s-", label="MTP top-1 (t+2)")
+  ax_acc.plot(
+    eval_steps, [e["mtp_agreement"] for e in evals], "^-", label="MTP argmax = target argmax"
+  )
+  ax_acc.set_xlabel("step")
+  ax_acc.set_ylabel("held-out fraction")
+  ax_acc.set_ylim(0, 1)
+  ax_acc.legend()
+  ax_acc.grid(alpha=0.3)
+  fig.suptitle("jaxspec default model: joint next-token + MTP training on the Python stdlib")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def train(
+  config: TrainConfig,
+  output_dir: str | Path,
+  *,
+  tokenizer_path: str | Path | None = None,
+  sample_prompt: str = "def fibonacci(n):",
+  progress: bool = True,
+) -> dict[str, Any]:
+  """Trains the tokenizer (unless one is given), the model and its MTP head; writes the checkpoint.
+
+  Writes `config.json`, bf16 `model.safetensors`, `tokenizer.json`, `training_log.json` and
+  `loss.png` into `output_dir` and returns the log.
+  """
+  import tokenizers
+
+  output_dir = Path(output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  wall_start = time.perf_counter()
+  train_files, held_out_files = corpus.split_corpus(max_files=config.max_train_files)
+  if tokenizer_path is None:
+    tokenizer = bpe.train_bpe((f.text for f in train_files), config.vocab_size)
+  else:
+    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+  bpe.save_tokenizer(tokenizer, output_dir)
+  train_stream = encode_files(tokenizer, train_files)
+  held_out = eval_windows(
+    encode_files(tokenizer, held_out_files),
+    config.seq_len,
+    config.eval_draft_depth,
+    config.max_eval_windows,
+  )
+  model_config = MODEL_PRESETS[config.model_preset](tokenizer.get_vocab_size())
+  trainer = Trainer(model_config, config)
+  stream = jax.device_put(jnp.asarray(train_stream))
+  data_s = time.perf_counter() - wall_start
+
+  log: dict[str, Any] = {
+    "train_config": dataclasses.asdict(config),
+    "model_config": model_config.to_hf_dict(),
+    "num_params": trainer.num_params,
+    "corpus": {
+      "source": "Python standard library .py files of the training interpreter",
+      "train_files": len(train_files),
+      "train_tokens": int(train_stream.size),
+      "held_out_files": [f.relative_path for f in held_out_files],
+      "held_out_windows": len(held_out),
+    },
+    "device": str(jax.devices()[0].device_kind),
+    "jax_version": jax.__version__,
+    "history": [],
+    "evals": [],
+  }
+
+  def run_eval(step):
+    metrics = {"step": step, **trainer.evaluate(held_out)}
+    log["evals"].append(metrics)
+    return metrics
+
+  first_eval = time.perf_counter()
+  run_eval(0)
+  eval_s = time.perf_counter() - first_eval  # includes the compile: a safe over-estimate
+  total_steps = config.steps
+  key = jax.random.key(config.seed)
+  calibrate_from, calibrate_to = 5, min(config.warmup_steps, 35)
+  bar = tqdm(range(config.steps), desc="train", unit="step", disable=not progress)
+  train_start = time.perf_counter()
+  step = 0
+  for step in bar:
+    if step >= total_steps:
+      break
+    if config.time_budget_s is not None and step in (calibrate_from, calibrate_to):
+      jax.block_until_ready(trainer.params)
+      if step == calibrate_from:
+        calibrate_start = time.perf_counter()
+      else:
+        per_step = (time.perf_counter() - calibrate_start) / (calibrate_to - calibrate_from)
+        left = config.time_budget_s - (time.perf_counter() - wall_start)
+        per_step_with_eval = per_step + eval_s / config.eval_every
+        total_steps = min(config.steps, step + int(0.95 * left / per_step_with_eval))
+        total_steps = max(total_steps, config.warmup_steps + 1)
+        bar.total = total_steps
+    lr = learning_rate(step, total_steps, config)
+    metrics = trainer.train_step(stream, jax.random.fold_in(key, step), lr)
+    if step % config.log_every == 0 or step == total_steps - 1:
+      record = {"step": step, "lr": lr, **{k: float(v) for k, v in metrics.items()}}
+      record["elapsed_s"] = time.perf_counter() - train_start
+      log["history"].append(record)
+      bar.set_postfix(loss=f"{record['loss']:.3f}", mtp=f"{record['mtp_loss']:.3f}")
+    if (step + 1) % config.eval_every == 0 and step + 1 < total_steps:
+      run_eval(step + 1)
+  bar.close()
+  jax.block_until_ready(trainer.params)
+  train_s = time.perf_counter() - train_start
+  final = run_eval(total_steps)
+
+  model = trainer.model()
+  save_pretrained(model, output_dir, dtype=jnp.bfloat16)
+  prompt_ids = tokenizer.encode(sample_prompt).ids
+  sample_ids = greedy_continuation(model, prompt_ids, 48)
+  log["final"] = {
+    "steps": total_steps,
+    "train_lm_loss": log["history"][-1]["lm_loss"],
+    "train_mtp_loss": log["history"][-1]["mtp_loss"],
+    **{f"held_out_{k}": v for k, v in final.items() if k != "step"},
+  }
+  log["timing"] = {
+    "data_and_tokenizer_s": data_s,
+    "train_s": train_s,
+    "tokens_per_s": total_steps * config.batch_size * config.seq_len / train_s,
+    "total_s": time.perf_counter() - wall_start,
+  }
+  log["sample"] = {"prompt": sample_prompt, "greedy_continuation": tokenizer.decode(sample_ids)}
+  log["checkpoint_bytes"] = sum(
+    (output_dir / name).stat().st_size
+    for name in ("config.json", "model.safetensors", "tokenizer.json")
+  )
+  with open(output_dir / "training_log.json", "w") as f:
+    json.dump(log, f, indent=1)
+  plot_losses(log, output_dir / "loss.png")
+  return log

@@ -1,0 +1,84 @@
+"""The training recipe on the CPU: a smoke run of a tiny model over a slice of the stdlib corpus."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+from flax import nnx
+
+import jaxspec
+from jaxspec.tokenizer import load_tokenizer
+from jaxspec.training import cli, corpus, trainer
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+  output_dir = tmp_path_factory.mktemp("smoke_model")
+  assert cli.main(["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]) == 0
+  with open(output_dir / "training_log.json") as f:
+    return output_dir, json.load(f)
+
+
+def test_corpus_is_sorted_and_held_out_files_stay_out_of_training():
+  paths = corpus.list_sources()
+  assert paths == sorted(paths)
+  train_files, held_out_files = corpus.split_corpus()
+  held_out = {f.relative_path for f in held_out_files}
+  assert held_out == set(corpus.HELD_OUT_FILES)
+  assert held_out.isdisjoint(f.relative_path for f in train_files)
+  assert len(train_files) > 500
+
+
+def test_learning_rate_warms_up_then_decays_to_the_floor():
+  config = trainer.TrainConfig(steps=100, warmup_steps=10, learning_rate=1e-3, min_lr_ratio=0.1)
+  rates = [trainer.learning_rate(step, 100, config) for step in range(100)]
+  assert rates[0] == pytest.approx(1e-4)
+  assert rates[9] == pytest.approx(1e-3)
+  assert all(a <= b for a, b in zip(rates[:10], rates[1:10], strict=False))
+  assert all(a >= b for a, b in zip(rates[10:], rates[11:], strict=False))
+  assert rates[-1] == pytest.approx(1e-4, rel=0.01)
+
+
+def test_smoke_run_lowers_train_and_held_out_losses(smoke_run):
+  _, log = smoke_run
+  history, evals = log["history"], log["evals"]
+  assert len(history) == log["final"]["steps"] == 30
+  first = np.mean([h["loss"] for h in history[:3]])
+  last = np.mean([h["loss"] for h in history[-3:]])
+  assert last < first - 1.0, (first, last)
+  assert evals[-1]["lm_loss"] < evals[0]["lm_loss"] - 0.5
+  assert evals[-1]["mtp_loss"] < evals[0]["mtp_loss"] - 0.5
+  chain = [evals[-1][f"chain_acceptance_{d}"] for d in (1, 2, 3)]
+  assert chain == sorted(chain, reverse=True)
+  assert evals[-1]["tokens_per_step_k3"] == pytest.approx(1.0 + sum(chain))
+
+
+def test_checkpoint_round_trips_with_load_pretrained_and_its_tokenizer(smoke_run):
+  output_dir, log = smoke_run
+  model = jaxspec.load_pretrained(output_dir, dtype=jnp.float32)
+  assert model.config.num_nextn_predict_layers == 1 and model.mtp is not None
+  assert model.config.to_hf_dict() == log["model_config"]
+
+  tokenizer = load_tokenizer(output_dir)
+  text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+  assert tokenizer.decode(tokenizer.encode(text)) == text
+  assert tokenizer.vocab_size == model.config.vocab_size == log["train_config"]["vocab_size"]
+
+  # The trainer evaluates on a bf16 copy of its float32 parameters, which is exactly what the
+  # bf16 checkpoint holds: the held-out metrics of the reloaded model must match the log's.
+  config = trainer.TrainConfig(**log["train_config"])
+  reloaded = trainer.Trainer(model.config, config)
+  reloaded.params = nnx.state(model, nnx.Param)
+  bpe_tokenizer = tokenizers.Tokenizer.from_file(str(output_dir / "tokenizer.json"))
+  windows = trainer.eval_windows(
+    trainer.encode_files(bpe_tokenizer, corpus.split_corpus()[1]),
+    config.seq_len,
+    config.eval_draft_depth,
+    config.max_eval_windows,
+  )
+  metrics = reloaded.evaluate(windows)
+  final = log["evals"][-1]
+  for name in ("lm_loss", "mtp_loss", "mtp_agreement", "chain_acceptance_3"):
+    assert metrics[name] == pytest.approx(final[name], rel=1e-5, abs=1e-6), name
