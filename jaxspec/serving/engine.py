@@ -23,6 +23,8 @@ from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache
 from jaxspec.serving.sampling import GREEDY, SamplingParams
 from jaxspec.serving.steps import decode_step, prefill_step
 
+MAX_LOOKAHEAD = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -47,7 +49,8 @@ class EngineConfig:
 
   @property
   def max_pages_per_request(self) -> int:
-    return math.ceil(self.max_seq_len / self.page_size)
+    # Speculative steps write up to q_len = 8 rows past the last committed token.
+    return math.ceil((self.max_seq_len + MAX_LOOKAHEAD) / self.page_size)
 
   @property
   def total_pages(self) -> int:
@@ -75,7 +78,11 @@ class Generator:
     out = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)
   """
 
-  def __init__(self, model: GlmForCausalLM, config: EngineConfig = EngineConfig()):
+  # Cache slots a step may write past a request's last committed token (speculative verify rows).
+  lookahead_tokens = 0
+
+  def __init__(self, model: GlmForCausalLM, config: EngineConfig | None = None):
+    config = config or EngineConfig()
     self.model = model
     self.config = config
     self.graphdef, self.params = nnx.split(model)
@@ -83,12 +90,12 @@ class Generator:
       config.total_pages, config.page_size, shuffle_seed=config.shuffle_pages_seed
     )
     self.cache = PagedKVCache.create(
-      model.config,
-      model.config.num_hidden_layers,
-      config.total_pages,
-      config.page_size,
-      model.dtype,
+      model.config, self.num_cache_layers, config.total_pages, config.page_size, model.dtype
     )
+
+  @property
+  def num_cache_layers(self) -> int:
+    return self.model.config.num_hidden_layers
 
   def generate(
     self,
@@ -108,7 +115,7 @@ class Generator:
     self._check_requests(prompts, max_new_tokens)
     stop = set(self.model.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
     key = jax.random.key(seed)
-    outputs, first_token_times, step_times = [], [], []
+    outputs, waves = [], []
     start = time.perf_counter()
     bar = tqdm(
       total=len(prompts) * max_new_tokens, desc="generating", unit="tok", disable=not progress
@@ -116,23 +123,29 @@ class Generator:
     for wave_start in range(0, len(prompts), self.config.max_batch_size):
       wave = prompts[wave_start : wave_start + self.config.max_batch_size]
       key, wave_key = jax.random.split(key)
-      tokens, ttft, times = self._generate_wave(wave, max_new_tokens, sampling, wave_key, stop, bar)
+      tokens, stats = self._generate_wave(wave, max_new_tokens, sampling, wave_key, stop, bar)
       outputs.extend(tokens)
-      first_token_times.append(ttft)
-      step_times.extend(times)
+      waves.append(stats)
     bar.close()
     elapsed = time.perf_counter() - start
+    return GenerationOutput(tokens=outputs, metrics=self._metrics(waves, outputs, elapsed))
+
+  def _metrics(self, waves: list[dict], outputs: list[list[int]], elapsed: float) -> dict:
+    """Throughput and latency: TTFT (prefill to first token), ITL (time between two tokens of a
+    request), TPOT (decode time per output token after the first)."""
     generated = sum(len(t) for t in outputs)
-    metrics = {
-      "num_requests": len(prompts),
+    first_token_times = [w["ttft_s"] for w in waves]
+    step_times = [t for w in waves for t in w["step_times"]]
+    tokens_per_step = [n for w in waves for n in w["tokens_per_step"]]
+    return {
+      "num_requests": len(outputs),
       "generated_tokens": generated,
       "elapsed_s": elapsed,
       "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
       "ttft_s": float(np.mean(first_token_times)),
-      "itl_s": float(np.mean(step_times)) if step_times else 0.0,
-      "tpot_s": (elapsed - float(np.sum(first_token_times))) / max(generated - len(prompts), 1),
+      "itl_s": float(np.sum(step_times) / max(np.sum(tokens_per_step), 1)),
+      "tpot_s": (elapsed - float(np.sum(first_token_times))) / max(generated - len(outputs), 1),
     }
-    return GenerationOutput(tokens=outputs, metrics=metrics)
 
   def _check_requests(self, prompts, max_new_tokens):
     if not prompts:
@@ -164,7 +177,8 @@ class Generator:
       for b, prompt in enumerate(prompts):
         input_ids[b, : len(prompt)] = prompt
         prompt_lens[b] = len(prompt)
-        pages = self.allocator.allocate(self.allocator.pages_for(len(prompt) + max_new_tokens))
+        capacity = len(prompt) + max_new_tokens + self.lookahead_tokens
+        pages = self.allocator.allocate(self.allocator.pages_for(capacity))
         owned.append(pages)
         block_tables[b, : len(pages)] = pages
       return self._run_wave(
@@ -173,6 +187,24 @@ class Generator:
     finally:
       for pages in owned:
         self.allocator.free(pages)
+
+  def _prefill(self, input_ids, prompt_lens, block_tables, sampling, key):
+    """Target prefill; returns (first tokens [B] on host, hidden [B, T, H] on device, seconds)."""
+    t0 = time.perf_counter()
+    next_tokens, hidden, self.cache = prefill_step(
+      self.graphdef,
+      self.params,
+      self.cache,
+      jnp.asarray(input_ids),
+      jnp.asarray(prompt_lens),
+      block_tables,
+      key,
+      sampling=sampling,
+      moe_impl=choose_moe_impl(input_ids.size, self.model.config),
+      attention_impl=self.config.attention_impl,
+    )
+    first_tokens = np.asarray(next_tokens)
+    return first_tokens, hidden, time.perf_counter() - t0
 
   def _run_wave(
     self,
@@ -187,31 +219,14 @@ class Generator:
     bar,
   ):
     batch = input_ids.shape[0]
-    attention_impl = self.config.attention_impl
-    block_tables_dev = jnp.asarray(block_tables)
-    t0 = time.perf_counter()
+    block_tables = jnp.asarray(block_tables)
     key, step_key = jax.random.split(key)
-    next_tokens, _, self.cache = prefill_step(
-      self.graphdef,
-      self.params,
-      self.cache,
-      jnp.asarray(input_ids),
-      jnp.asarray(prompt_lens),
-      block_tables_dev,
-      step_key,
-      sampling=sampling,
-      moe_impl=choose_moe_impl(input_ids.size, self.model.config),
-      attention_impl=attention_impl,
-    )
-    host_tokens = np.asarray(next_tokens)
-    ttft = time.perf_counter() - t0
-    generated = [[int(host_tokens[b])] for b in range(num_requests)]
-    done = np.array(
-      [len(g) >= max_new_tokens or g[-1] in stop for g in generated]
-      + [True] * (batch - num_requests)
-    )
+    host_tokens, _, ttft = self._prefill(input_ids, prompt_lens, block_tables, sampling, step_key)
+    generated = [[] for _ in range(num_requests)]
+    done = np.ones(batch, bool)
+    for b in range(num_requests):
+      done[b] = append_tokens(generated[b], host_tokens[b : b + 1], max_new_tokens, stop, bar)
     lengths = prompt_lens.copy()  # tokens already in the cache per request
-    bar.update(num_requests)
     step_times = []
     decode_moe = choose_moe_impl(batch, self.model.config)
     while not done.all():
@@ -224,20 +239,33 @@ class Generator:
         self.cache,
         jnp.asarray(host_tokens[:, None]),
         jnp.asarray(seq_lens),
-        block_tables_dev,
+        block_tables,
         step_key,
         sampling=sampling,
         moe_impl=decode_moe,
-        attention_impl=attention_impl,
+        attention_impl=self.config.attention_impl,
       )
       new_tokens = np.asarray(next_tokens)
       step_times.append(time.perf_counter() - t_step)
-      for b in range(num_requests):
-        if done[b]:
-          continue
+      for b in np.flatnonzero(~done):
         lengths[b] += 1
-        generated[b].append(int(new_tokens[b]))
-        bar.update(1)
-        done[b] = len(generated[b]) >= max_new_tokens or generated[b][-1] in stop
+        done[b] = append_tokens(generated[b], new_tokens[b : b + 1], max_new_tokens, stop, bar)
       host_tokens = np.where(done, host_tokens, new_tokens)
-    return generated, ttft, step_times
+    return generated, {
+      "ttft_s": ttft,
+      "step_times": step_times,
+      "tokens_per_step": [1] * len(step_times),
+    }
+
+
+def append_tokens(output: list[int], new_tokens, max_new_tokens: int, stop: set[int], bar) -> bool:
+  """Appends a step's tokens to a request's output, cut at a stop token or at max_new_tokens.
+
+  Returns True when the request is finished.
+  """
+  for token in map(int, new_tokens):
+    output.append(token)
+    bar.update(1)
+    if token in stop or len(output) >= max_new_tokens:
+      return True
+  return False

@@ -79,6 +79,10 @@ class PagedKVCache:
     shape = (config.num_key_value_heads, num_pages, page_size, config.head_dim)
     return cls(tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)))
 
+  def replace_prefix(self, layers) -> "PagedKVCache":
+    """A cache whose first `len(layers)` layers are replaced, the others kept."""
+    return PagedKVCache(tuple(layers) + self.layers[len(layers) :])
+
   @property
   def num_pages(self) -> int:
     return self.layers[0][0].shape[1]

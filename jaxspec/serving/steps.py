@@ -47,11 +47,18 @@ def prefill_step(
     mode="prefill",
     attention_impl=attention_impl,
   )
-  hidden, layers = model.forward(input_ids, positions, cache.layers, batch, moe_impl=moe_impl)
+  hidden, layers = model.forward(
+    input_ids, positions, target_layers(model, cache), batch, moe_impl=moe_impl
+  )
   last = jnp.clip(prompt_lens - 1, 0, input_ids.shape[1] - 1)
   last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, H]
   next_tokens = sample(model.logits(last_hidden), key, sampling)
-  return next_tokens, hidden, PagedKVCache(layers)
+  return next_tokens, hidden, cache.replace_prefix(layers)
+
+
+def target_layers(model, cache: PagedKVCache):
+  """The target's layers of a cache that may also hold the MTP layer's (the last one)."""
+  return cache.layers[: model.config.num_hidden_layers]
 
 
 def decode_batch(
@@ -90,6 +97,8 @@ def decode_step(
   """
   model = nnx.merge(graphdef, params)
   batch = decode_batch(cache, seq_lens, block_tables, tokens.shape[1], attention_impl)
-  hidden, layers = model.forward(tokens, batch.positions, cache.layers, batch, moe_impl=moe_impl)
+  hidden, layers = model.forward(
+    tokens, batch.positions, target_layers(model, cache), batch, moe_impl=moe_impl
+  )
   next_tokens = sample(model.logits(hidden[:, -1]), key, sampling)
-  return next_tokens, PagedKVCache(layers)
+  return next_tokens, cache.replace_prefix(layers)

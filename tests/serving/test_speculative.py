@@ -1,0 +1,212 @@
+"""MTP speculative decoding: lossless under greedy, row pruning, static shapes, acceptance."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxspec.model import moe as moe_module
+from jaxspec.model.config import tiny
+from jaxspec.model.transformer import GlmForCausalLM
+from jaxspec.serving import spec_steps, speculative
+from jaxspec.serving.engine import EngineConfig, Generator
+from jaxspec.serving.sampling import GREEDY
+from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 3, 11, 12, 13, 14, 15, 1, 2, 3, 4, 6]]
+ENGINE = EngineConfig(
+  max_batch_size=4, max_seq_len=96, page_size=4, shuffle_pages_seed=5, attention_impl="xla"
+)
+
+
+def _scale(variable, factor):
+  variable[...] = variable[...] * factor
+
+
+def mostly_bigram_model(seed=0, attention_scale=0.05):
+  """A model whose MTP head nearly knows the target's next-next token, so drafts get accepted.
+
+  With the attention and MLP outputs scaled down, the target's next token depends mostly on the
+  current token (a bigram map f). The MTP layer sees the embedding of token t + 1 through an
+  `eh_proj` that passes it straight on, so it predicts f(token t + 1): the target's next token.
+  The small attention and MLP contributions keep both caches in play: a cache bug changes tokens.
+  """
+  config = tiny(vocab_size=32, first_k_dense_replace=1)
+  model = GlmForCausalLM(config, rngs=nnx.Rngs(seed))
+  for layer in [*model.model.layers, model.mtp.layer]:
+    _scale(layer.self_attn.o_proj.kernel, attention_scale)
+    mlp = layer.mlp
+    if isinstance(mlp, moe_module.MoE):
+      _scale(mlp.experts.down, attention_scale)
+      _scale(mlp.shared_experts.down_proj.kernel, attention_scale)
+    else:
+      _scale(mlp.down_proj.kernel, attention_scale)
+  hidden = config.hidden_size
+  pass_embedding = jnp.concatenate([jnp.eye(hidden), 0.02 * jnp.ones((hidden, hidden))], axis=0)
+  model.mtp.eh_proj.kernel[...] = pass_embedding
+  return model
+
+
+@pytest.fixture(scope="module")
+def random_model():
+  return GlmForCausalLM(tiny(vocab_size=16), rngs=nnx.Rngs(1))
+
+
+@pytest.fixture(scope="module")
+def bigram_model():
+  return mostly_bigram_model()
+
+
+def _plain(model, prompts, max_new_tokens, stop=()):
+  return Generator(model, ENGINE).generate(
+    prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop
+  )
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculative_equals_plain_greedy(bigram_model, k):
+  plain = _plain(bigram_model, PROMPTS, 24)
+  # Request 1 finishes early at a stop token of its own plain output.
+  stop = (plain.tokens[1][6],)
+  plain = _plain(bigram_model, PROMPTS, 24, stop)
+  spec = SpeculativeGenerator(bigram_model, ENGINE, SpeculativeConfig(k)).generate(
+    PROMPTS, max_new_tokens=24, stop_token_ids=stop
+  )
+  assert spec.tokens == plain.tokens
+  assert len(spec.tokens[1]) < 24
+  metrics = spec.metrics
+  # Drafts are accepted often but not always: both paths of the rollback are exercised.
+  assert 0.3 < metrics["acceptance_rate"] < 1.0
+  assert len(metrics["per_position_acceptance"]) == k
+  assert metrics["mean_accepted_length"] == pytest.approx(
+    1 + sum(metrics["per_position_acceptance"])
+  )
+
+
+def test_lossless_with_a_random_draft_head(random_model):
+  """Nearly every draft of a random MTP head is rejected: the all-reject path stays lossless."""
+  plain = _plain(random_model, PROMPTS, 16)
+  spec = SpeculativeGenerator(random_model, ENGINE, SpeculativeConfig(3)).generate(
+    PROMPTS, max_new_tokens=16, stop_token_ids=()
+  )
+  assert spec.tokens == plain.tokens
+
+
+def test_oracle_drafts_with_planted_errors_are_accepted_up_to_the_error(random_model, monkeypatch):
+  """Drafts from the true greedy continuation, corrupted at a random position per cycle: the
+  target must accept exactly the correct prefix, and the output stay exactly greedy."""
+  k, max_new = 4, 20
+  plain = _plain(random_model, PROMPTS, max_new + 2 * k + 2)
+  full = [p + t for p, t in zip(PROMPTS, plain.tokens, strict=True)]
+  rng = np.random.default_rng(0)
+  planted = []
+
+  def oracle_draft_step(
+    graphdef, params, cache, hidden, emitted, num_accepted, committed, *rest, **kwargs
+  ):
+    _, draft_probs, cache = spec_steps.draft_step(
+      graphdef, params, cache, hidden, emitted, num_accepted, committed, *rest, **kwargs
+    )
+    committed = np.asarray(committed)
+    drafts = np.zeros((len(committed), k), np.int32)
+    errors = rng.integers(0, k + 1, len(committed))
+    for b, n in enumerate(committed):
+      if n > 0 and b < len(full):
+        # The bonus token sits at position `committed`; draft i belongs at committed + i.
+        drafts[b] = full[b][n + 1 : n + 1 + k]
+        if errors[b] < k:
+          drafts[b, errors[b]] = (drafts[b, errors[b]] + 1) % 16
+          planted.append(errors[b])
+        else:
+          planted.append(k)
+    return jnp.asarray(drafts), draft_probs, cache
+
+  monkeypatch.setattr(speculative, "draft_step", oracle_draft_step)
+  spec = SpeculativeGenerator(random_model, ENGINE, SpeculativeConfig(k)).generate(
+    PROMPTS, max_new_tokens=max_new, stop_token_ids=()
+  )
+  assert spec.tokens == [t[:max_new] for t in plain.tokens]
+  # Each cycle accepts exactly the drafts before the planted error. Two kinds of cycles escape
+  # the count, at most one of each per request: the first verify checks the random head's drafts,
+  # and the drafts made in a request's last cycle are never verified.
+  metrics = spec.metrics
+  assert metrics["acceptance_rate"] > 0.3
+  accepted_rows = np.round(np.array(metrics["per_position_acceptance"]) * metrics["verify_steps"])
+  planted_counts = np.array([sum(e > j for e in planted) for j in range(k)])
+  assert np.all(np.abs(accepted_rows - planted_counts) <= len(PROMPTS)), (
+    accepted_rows,
+    planted_counts,
+  )
+
+
+def _moe_calls(monkeypatch, prune, model, batch, q_len):
+  calls = []
+  original = moe_module.MoE.__call__
+
+  def recording(self, x, *, moe_impl):
+    calls.append((x.shape, moe_impl))
+    return original(self, x, moe_impl=moe_impl)
+
+  monkeypatch.setattr(moe_module.MoE, "__call__", recording)
+  generator = SpeculativeGenerator(model, ENGINE, SpeculativeConfig(q_len - 1))
+  hidden = jnp.zeros((batch, q_len, model.config.hidden_size))
+  emitted = jnp.zeros((batch, q_len), jnp.int32)
+  jax.make_jaxpr(
+    lambda cache: spec_steps.draft_step_impl(
+      generator.graphdef,
+      generator.params,
+      cache,
+      hidden,
+      emitted,
+      jnp.zeros(batch, jnp.int32),
+      jnp.full(batch, 8, jnp.int32),
+      jnp.zeros((batch, 4), jnp.int32),
+      jax.random.key(0),
+      num_draft=q_len - 1,
+      sampling=GREEDY,
+      attention_impl="xla",
+      prune=prune,
+    )
+  )(generator.cache)
+  monkeypatch.setattr(moe_module.MoE, "__call__", original)
+  return calls
+
+
+def test_pruned_draft_step_runs_moe_on_max_num_reqs_rows(bigram_model, monkeypatch):
+  batch, q_len = 4, 4
+  pruned = _moe_calls(monkeypatch, True, bigram_model, batch, q_len)
+  unpruned = _moe_calls(monkeypatch, False, bigram_model, batch, q_len)
+  hidden = bigram_model.config.hidden_size
+  # First draft step: the MoE input has max_num_reqs rows when pruned, all rows otherwise.
+  assert pruned[0][0] == (batch, hidden)
+  assert unpruned[0][0] == (batch, q_len, hidden)
+  # The implementation is chosen from the unpruned count and is the same on both paths.
+  assert [impl for _, impl in pruned] == [impl for _, impl in unpruned]
+  assert pruned[0][1] == moe_module.choose_moe_impl(batch * q_len, bigram_model.config)
+
+
+def test_pruned_and_unpruned_give_identical_drafts_and_acceptance(bigram_model):
+  outputs = [
+    SpeculativeGenerator(bigram_model, ENGINE, SpeculativeConfig(3, prune_draft_rows=p)).generate(
+      PROMPTS, max_new_tokens=16, stop_token_ids=()
+    )
+    for p in (True, False)
+  ]
+  assert outputs[0].tokens == outputs[1].tokens
+  for field in ("acceptance_rate", "per_position_acceptance", "verify_steps"):
+    assert outputs[0].metrics[field] == outputs[1].metrics[field]
+
+
+def test_no_recompilation_after_warm_up(bigram_model):
+  generator = SpeculativeGenerator(
+    bigram_model,
+    EngineConfig(max_batch_size=4, max_seq_len=256, page_size=8, attention_impl="xla"),
+    SpeculativeConfig(2),
+  )
+  generator.generate(PROMPTS, max_new_tokens=8, stop_token_ids=())  # warm-up
+  steps = (speculative.verify_step, speculative.draft_step, speculative.draft_prefill_step)
+  sizes = [f._cache_size() for f in steps]
+  out = generator.generate(PROMPTS, max_new_tokens=200, stop_token_ids=())
+  assert out.metrics["verify_steps"] >= 200  # request-cycles, with acceptance varying
+  assert [f._cache_size() for f in steps] == sizes
