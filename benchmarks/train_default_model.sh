@@ -2,7 +2,7 @@
 # Trains the embedded default model (jaxspec/assets/default_model) on one H200.
 #
 # Usage: benchmarks/train_default_model.sh OUTPUT_DIR [extra `train` options]
-# The step count is cut to what fits in TIME_BUDGET_S seconds (default 200), measured during the
+# The step count is cut to what fits in TIME_BUDGET_S seconds (default 170), measured during the
 # warm-up; the run writes config.json, model.safetensors (bf16), tokenizer.json,
 # training_log.json and loss.png into OUTPUT_DIR and prints a summary table.
 set -euo pipefail
@@ -21,5 +21,5 @@ PYTHONPATH=. "$PYTHON" -m jaxspec.training.cli train \
   --warmup-steps 200 \
   --eval-every 500 \
   --seed 0 \
-  --time-budget-s "${TIME_BUDGET_S:-200}" \
+  --time-budget-s "${TIME_BUDGET_S:-170}" \
   "$@"
