@@ -13,6 +13,7 @@ from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import load_pretrained
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
+from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
 from jaxspec.tokenizer import ByteTokenizer, load_tokenizer
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -51,31 +52,30 @@ def _build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--seed", type=int, default=0)
   gen.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
   gen.add_argument("--page-size", type=int, default=16)
+  gen.add_argument(
+    "--compare",
+    action="store_true",
+    help="also run plain decoding on the same prompt and report both throughputs",
+  )
   gen.add_argument("--json", action="store_true", help="print one JSON object")
   return parser
 
 
-def generate(args) -> dict:
-  if args.spec_tokens != 0:
-    raise SystemExit(
-      "error: --spec-tokens > 0 needs the MTP speculative engine, which this "
-      "version does not include yet; use --spec-tokens 0"
-    )
-  if args.model:
-    model = load_pretrained(args.model, dtype=_DTYPES[args.dtype])
-    tokenizer = load_tokenizer(args.model)
-    model_name = args.model
-  else:
-    model, tokenizer = _random_default_model()
-    model_name = "tiny random-init GLM (no trained default model yet: the text is noise)"
-  prompt_ids = tokenizer.encode(args.prompt)
-  if not prompt_ids:
-    raise SystemExit("error: --prompt encodes to no tokens")
+def _run(model, prompt_ids, args, spec_tokens: int) -> dict:
+  """Generates with plain decoding (spec_tokens 0) or MTP speculation; returns the metrics.
+
+  A two-token warm-up run on the same shapes compiles every step first, so the reported
+  throughput and latencies exclude compilation.
+  """
   sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-  max_seq_len = len(prompt_ids) + args.max_new_tokens
-  engine = Generator(
-    model, EngineConfig(max_batch_size=1, max_seq_len=max_seq_len, page_size=args.page_size)
+  engine_config = EngineConfig(
+    max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens, page_size=args.page_size
   )
+  if spec_tokens:
+    engine = SpeculativeGenerator(model, engine_config, SpeculativeConfig(spec_tokens))
+  else:
+    engine = Generator(model, engine_config)
+  engine.generate([prompt_ids], max_new_tokens=min(2, args.max_new_tokens), sampling=sampling)
   out = engine.generate(
     [prompt_ids],
     max_new_tokens=args.max_new_tokens,
@@ -83,20 +83,65 @@ def generate(args) -> dict:
     seed=args.seed,
     progress=not args.json,
   )
-  tokens = out.tokens[0]
-  return {
+  metrics = dict(out.metrics)
+  if not spec_tokens:
+    # Plain decoding proposes no drafts: one token per target step.
+    metrics.update(acceptance_rate=None, per_position_acceptance=[], mean_accepted_length=1.0)
+  return {"tokens": out.tokens[0], **metrics}
+
+
+def generate(args) -> dict:
+  if not 0 <= args.spec_tokens <= 7:
+    raise SystemExit(f"error: --spec-tokens must be in 0..7, got {args.spec_tokens}")
+  if args.model:
+    model = load_pretrained(args.model, dtype=_DTYPES[args.dtype])
+    tokenizer = load_tokenizer(args.model)
+    model_name = args.model
+  else:
+    model, tokenizer = _random_default_model()
+    model_name = "tiny random-init GLM (no trained default model yet: the text is noise)"
+  if args.spec_tokens and model.mtp is None:
+    raise SystemExit(f"error: {model_name} has no MTP layer; use --spec-tokens 0")
+  prompt_ids = tokenizer.encode(args.prompt)
+  if not prompt_ids:
+    raise SystemExit("error: --prompt encodes to no tokens")
+  run = _run(model, prompt_ids, args, args.spec_tokens)
+  result = {
     "model": model_name,
     "device": jax.devices()[0].device_kind,
     "prompt": args.prompt,
-    "text": tokenizer.decode(tokens),
-    "tokens": tokens,
+    "text": tokenizer.decode(run["tokens"]),
     "spec_tokens": args.spec_tokens,
-    # Plain decoding accepts no drafts: one token per step.
-    "acceptance_rate": None,
-    "per_position_acceptance": [],
-    "mean_accepted_length": 1.0,
-    **{k: out.metrics[k] for k in ("tokens_per_s", "ttft_s", "itl_s", "tpot_s", "elapsed_s")},
+    **run,
   }
+  if args.compare:
+    baseline = _run(model, prompt_ids, args, 0)
+    result["baseline"] = {k: baseline[k] for k in ("tokens_per_s", "tpot_s", "itl_s", "ttft_s")}
+    result["baseline"]["same_tokens"] = baseline["tokens"] == run["tokens"]
+    result["speedup"] = run["tokens_per_s"] / baseline["tokens_per_s"]
+  return result
+
+
+def _print_report(result) -> None:
+  print(f"model: {result['model']}")
+  print(f"{result['prompt']}{result['text']}")
+  lines = [
+    f"-- {len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tok/s, "
+    f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms"
+  ]
+  if result["spec_tokens"]:
+    per_position = ", ".join(f"{a:.2f}" for a in result["per_position_acceptance"])
+    lines.append(
+      f"-- k={result['spec_tokens']}: acceptance {result['acceptance_rate']:.2f} "
+      f"(per position {per_position}), {result['mean_accepted_length']:.2f} tokens "
+      f"per verify step"
+    )
+  if "baseline" in result:
+    lines.append(
+      f"-- plain decoding: {result['baseline']['tokens_per_s']:.1f} tok/s; "
+      f"speculative / plain = {result['speedup']:.2f}x"
+    )
+  print("\n".join(lines), file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -105,13 +150,7 @@ def main(argv=None) -> int:
   if args.json:
     print(json.dumps(result))
   else:
-    print(f"model: {result['model']}")
-    print(f"{result['prompt']}{result['text']}")
-    print(
-      f"-- {len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tok/s, "
-      f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms",
-      file=sys.stderr,
-    )
+    _print_report(result)
   return 0
 
 

@@ -57,3 +57,29 @@ def test_checkpoint_without_tokenizer_is_a_clear_error():
   fixture = ROOT / "tests" / "fixtures" / "glm4_moe_a"
   with pytest.raises(FileNotFoundError, match="tokenizer.json"):
     main(["generate", "--prompt", "x", "--model", str(fixture), "--max-new-tokens", "2"])
+
+
+def test_speculative_generate_with_compare_reports_both_paths(capsys):
+  argv = [
+    "generate",
+    "--prompt",
+    "abc",
+    "--max-new-tokens",
+    "6",
+    "--spec-tokens",
+    "2",
+    "--compare",
+    "--json",
+  ]
+  assert main(argv) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert result["spec_tokens"] == 2 and len(result["per_position_acceptance"]) == 2
+  assert 0.0 <= result["acceptance_rate"] <= 1.0
+  assert result["mean_accepted_length"] >= 1.0
+  # Greedy speculative decoding is lossless: the plain run produced the same tokens.
+  assert result["baseline"]["same_tokens"] and result["speedup"] > 0
+
+
+def test_bad_spec_tokens_is_rejected():
+  with pytest.raises(SystemExit, match="--spec-tokens must be in 0..7"):
+    main(["generate", "--prompt", "a", "--spec-tokens", "9"])

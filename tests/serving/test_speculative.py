@@ -11,7 +11,7 @@ from jaxspec.model.config import tiny
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving import spec_steps, speculative
 from jaxspec.serving.engine import EngineConfig, Generator
-from jaxspec.serving.sampling import GREEDY
+from jaxspec.serving.sampling import GREEDY, SamplingParams
 from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 3, 11, 12, 13, 14, 15, 1, 2, 3, 4, 6]]
@@ -210,3 +210,16 @@ def test_no_recompilation_after_warm_up(bigram_model):
   out = generator.generate(PROMPTS, max_new_tokens=200, stop_token_ids=())
   assert out.metrics["verify_steps"] >= 200  # request-cycles, with acceptance varying
   assert [f._cache_size() for f in steps] == sizes
+
+
+def test_sampled_speculative_decoding_is_reproducible(bigram_model):
+  sampling = SamplingParams(temperature=0.7, top_k=8, top_p=0.9)
+  runs = [
+    SpeculativeGenerator(bigram_model, ENGINE, SpeculativeConfig(3)).generate(
+      PROMPTS, max_new_tokens=12, sampling=sampling, seed=4, stop_token_ids=()
+    )
+    for _ in range(2)
+  ]
+  assert runs[0].tokens == runs[1].tokens
+  assert all(len(t) == 12 for t in runs[0].tokens)
+  assert runs[0].metrics["acceptance_rate"] > 0.2
