@@ -32,14 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks._timing import time_jax
 from jaxspec.model.config import glm45_air, tiny
 from jaxspec.model.moe import choose_moe_impl
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import draft_step, verify_step
-
-from benchmarks._timing import time_jax
 
 RESULTS = Path(__file__).parent / "results"
 
