@@ -51,6 +51,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     "--tokenizer", help="reuse this tokenizer.json instead of training a byte-level BPE"
   )
   parser.add_argument(
+    "--stdlib-dir",
+    help="read the corpus from this copy of a Python standard library folder instead of the "
+    "running interpreter's (same files, same held-out list)",
+  )
+  parser.add_argument(
     "--smoke", action="store_true", help="a few steps of a tiny model: runs on a CPU in seconds"
   )
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -77,7 +82,13 @@ def config_from_args(args) -> TrainConfig:
 
 def run_train(args) -> int:
   config = config_from_args(args)
-  log = train(config, args.output_dir, tokenizer_path=args.tokenizer, progress=not args.no_progress)
+  log = train(
+    config,
+    args.output_dir,
+    tokenizer_path=args.tokenizer,
+    stdlib_dir=args.stdlib_dir,
+    progress=not args.no_progress,
+  )
   final, timing = log["final"], log["timing"]
   k = config.eval_draft_depth
   rows = [

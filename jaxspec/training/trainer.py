@@ -403,6 +403,7 @@ def train(
   output_dir: str | Path,
   *,
   tokenizer_path: str | Path | None = None,
+  stdlib_dir: str | Path | None = None,
   sample_prompt: str = "def fibonacci(n):",
   progress: bool = True,
 ) -> dict[str, Any]:
@@ -416,7 +417,8 @@ def train(
   output_dir = Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   wall_start = time.perf_counter()
-  train_files, held_out_files = corpus.split_corpus(max_files=config.max_train_files)
+  root = Path(stdlib_dir) if stdlib_dir is not None else None
+  train_files, held_out_files = corpus.split_corpus(root, max_files=config.max_train_files)
   if tokenizer_path is None:
     tokenizer = bpe.train_bpe((f.text for f in train_files), config.vocab_size)
   else:
@@ -439,7 +441,8 @@ def train(
     "model_config": model_config.to_hf_dict(),
     "num_params": trainer.num_params,
     "corpus": {
-      "source": "Python standard library .py files of the training interpreter",
+      "source": "Python standard library .py files"
+      + (" (a copied stdlib folder)" if stdlib_dir is not None else " of the training interpreter"),
       "train_files": len(train_files),
       "train_tokens": int(train_stream.size),
       "held_out_files": [f.relative_path for f in held_out_files],
