@@ -3,33 +3,23 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxspec.model.config import tiny
-from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import load_pretrained
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
 from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
-from jaxspec.tokenizer import ByteTokenizer, load_tokenizer
+from jaxspec.tokenizer import load_tokenizer
+from jaxspec.training.cli import add_train_parser, run_train
+
+# A 5M-parameter GLM-4.5-style MoE with its MTP layer, trained on the Python standard library
+# (`python -m jaxspec train`); shipped inside the package.
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-
-
-def _random_default_model():
-  """A tiny randomly initialised GLM over raw bytes: stands in until a trained model ships."""
-  config = tiny(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=16,
-  )
-  return GlmForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)), ByteTokenizer()
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -40,10 +30,10 @@ def _build_parser() -> argparse.ArgumentParser:
   gen.add_argument(
     "--model",
     help="Hugging Face checkpoint directory (config.json, "
-    "*.safetensors, tokenizer.json); default: a tiny random model",
+    "*.safetensors, tokenizer.json); default: the embedded model",
   )
   gen.add_argument(
-    "--spec-tokens", type=int, default=0, help="draft tokens per step (k); 0 = plain decoding"
+    "--spec-tokens", type=int, default=3, help="draft tokens per step (k); 0 = plain decoding"
   )
   gen.add_argument("--max-new-tokens", type=int, default=64)
   gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -58,6 +48,7 @@ def _build_parser() -> argparse.ArgumentParser:
     help="also run plain decoding on the same prompt and report both throughputs",
   )
   gen.add_argument("--json", action="store_true", help="print one JSON object")
+  add_train_parser(commands)
   return parser
 
 
@@ -93,13 +84,10 @@ def _run(model, prompt_ids, args, spec_tokens: int) -> dict:
 def generate(args) -> dict:
   if not 0 <= args.spec_tokens <= 7:
     raise SystemExit(f"error: --spec-tokens must be in 0..7, got {args.spec_tokens}")
-  if args.model:
-    model = load_pretrained(args.model, dtype=_DTYPES[args.dtype])
-    tokenizer = load_tokenizer(args.model)
-    model_name = args.model
-  else:
-    model, tokenizer = _random_default_model()
-    model_name = "tiny random-init GLM (no trained default model yet: the text is noise)"
+  model_dir = args.model or DEFAULT_MODEL
+  model = load_pretrained(model_dir, dtype=_DTYPES[args.dtype])
+  tokenizer = load_tokenizer(model_dir)
+  model_name = args.model or "jaxspec default (5M GLM-4.5-style MoE + MTP, Python stdlib)"
   if args.spec_tokens and model.mtp is None:
     raise SystemExit(f"error: {model_name} has no MTP layer; use --spec-tokens 0")
   prompt_ids = tokenizer.encode(args.prompt)
@@ -146,6 +134,8 @@ def _print_report(result) -> None:
 
 def main(argv=None) -> int:
   args = _build_parser().parse_args(argv)
+  if args.command == "train":
+    return run_train(args)
   result = generate(args)
   if args.json:
     print(json.dumps(result))

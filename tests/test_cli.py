@@ -27,7 +27,7 @@ def test_generate_json_reports_text_tokens_and_metrics(capsys):
   ):
     assert field in result
   assert len(result["tokens"]) == 5 and result["tokens_per_s"] > 0
-  assert "random" in result["model"]
+  assert "default" in result["model"]
 
 
 def test_generate_is_reproducible_and_runs_as_a_module():

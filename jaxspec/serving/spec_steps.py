@@ -121,6 +121,52 @@ def _draft_chain(
   return jnp.stack(drafts, axis=1), draft_probs, mtp_pages
 
 
+def _draft(
+  model,
+  mtp_pages,
+  next_ids,
+  target_hidden,
+  batch: AttentionBatch,
+  last_token_indices,
+  committed_lens,
+  block_tables,
+  key,
+  cache,
+  *,
+  num_draft,
+  sampling,
+  moe_impls,
+  prune,
+):
+  """First draft step over all rows (pruned right after attention, or after the head), then
+  the chain of single-row steps. Returns (drafts, draft_probs, mtp_pages)."""
+  first_moe, rest_moe = moe_impls
+  hidden, mtp_pages = model.mtp_forward(
+    next_ids,
+    target_hidden,
+    batch.positions + 1,
+    mtp_pages,
+    batch,
+    moe_impl=first_moe,
+    last_token_indices=last_token_indices if prune else None,
+  )
+  if not prune:
+    hidden = jnp.take(hidden.reshape(-1, hidden.shape[-1]), last_token_indices, axis=0)
+  return _draft_chain(
+    model,
+    mtp_pages,
+    hidden,
+    committed_lens,
+    block_tables,
+    key,
+    cache,
+    num_draft,
+    sampling,
+    rest_moe,
+    batch.attention_impl,
+  )
+
+
 def draft_step_impl(
   graphdef,
   params,
@@ -148,29 +194,21 @@ def draft_step_impl(
   batch = decode_batch(cache, seq_lens, block_tables, q_len, attention_impl)
   next_ids = jnp.maximum(emitted, 0)  # rows after the bonus carry rejected tokens: any id will do
   last_token_indices = jnp.arange(batch_size, dtype=jnp.int32) * q_len + num_accepted  # [B]
-  hidden, mtp_pages = model.mtp_forward(
-    next_ids,
-    target_hidden,
-    batch.positions + 1,
-    mtp_pages,
-    batch,
-    moe_impl=first_moe,
-    last_token_indices=last_token_indices if prune else None,
-  )
-  if not prune:
-    hidden = jnp.take(hidden.reshape(-1, hidden.shape[-1]), last_token_indices, axis=0)
-  drafts, draft_probs, mtp_pages = _draft_chain(
+  drafts, draft_probs, mtp_pages = _draft(
     model,
     mtp_pages,
-    hidden,
+    next_ids,
+    target_hidden,
+    batch,
+    last_token_indices,
     jnp.where(active, committed_lens, 0),
     block_tables,
     key,
     cache,
-    num_draft,
-    sampling,
-    rest_moe,
-    attention_impl,
+    num_draft=num_draft,
+    sampling=sampling,
+    moe_impls=(first_moe, rest_moe),
+    prune=prune,
   )
   return drafts, draft_probs, PagedKVCache(target_pages + (mtp_pages,))
 
@@ -256,28 +294,20 @@ def draft_prefill_step(
     attention_impl=attention_impl,
   )
   last_token_indices = jnp.arange(batch_size, dtype=jnp.int32) * num_tokens + last_row
-  hidden, mtp_pages = model.mtp_forward(
-    next_ids,
-    target_hidden,
-    rows + 1,
-    mtp_pages,
-    batch,
-    moe_impl=first_moe,
-    last_token_indices=last_token_indices if prune else None,
-  )
-  if not prune:
-    hidden = jnp.take(hidden.reshape(-1, hidden.shape[-1]), last_token_indices, axis=0)
-  drafts, draft_probs, mtp_pages = _draft_chain(
+  drafts, draft_probs, mtp_pages = _draft(
     model,
     mtp_pages,
-    hidden,
+    next_ids,
+    target_hidden,
+    batch,
+    last_token_indices,
     prompt_lens,
     block_tables,
     key,
     cache,
-    num_draft,
-    sampling,
-    rest_moe,
-    attention_impl,
+    num_draft=num_draft,
+    sampling=sampling,
+    moe_impls=(first_moe, rest_moe),
+    prune=prune,
   )
   return drafts, draft_probs, PagedKVCache(target_pages + (mtp_pages,))
