@@ -137,12 +137,15 @@ class MoE(nnx.Module):
 def choose_moe_impl(num_tokens: int, config: GlmConfig) -> MoeImpl:
   """Picks the routed-expert implementation from the token count of a step (a Python int).
 
-  `per_route` streams `num_tokens * k` expert matrices, `grouped` streams each of the
-  `n_routed_experts` matrices once (when every expert is hit), so per-route reads fewer weight
-  bytes while `num_tokens * k < n_routed_experts`. Callers decide once per step, from the token
-  count *before* any row pruning, and pass the result down.
+  `per_route` streams `num_tokens * k` expert matrices, `grouped` streams the experts its tokens
+  hit once each but pays for sorting and a grouped GEMM. Measured on an H200 with GLM-4.5-Air's
+  MoE (128 experts, top-8, bf16; benchmarks/results/draft_pruning.md): per_route is faster at 1
+  token (362 vs 463 us), grouped from 4 tokens on (585 vs 737 us at 4, 1.2 vs 2.6 ms at 16). So
+  per_route is used while `num_tokens * k < n_routed_experts / 4` (below 4 tokens there).
+  Callers decide once per step, from the token count *before* any row pruning, and pass the
+  result down.
   """
   if num_tokens <= 0:
     raise ValueError(f"num_tokens must be positive, got {num_tokens}")
   routes = num_tokens * config.num_experts_per_tok
-  return "per_route" if routes < config.n_routed_experts else "grouped"
+  return "per_route" if 4 * routes < config.n_routed_experts else "grouped"

@@ -142,6 +142,7 @@ class Generator:
       "generated_tokens": generated,
       "elapsed_s": elapsed,
       "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+      "decode_steps": len(step_times),
       "ttft_s": float(np.mean(first_token_times)),
       "itl_s": float(np.sum(step_times) / max(np.sum(tokens_per_step), 1)),
       "tpot_s": (elapsed - float(np.sum(first_token_times))) / max(generated - len(outputs), 1),

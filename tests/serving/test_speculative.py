@@ -1,5 +1,6 @@
 """MTP speculative decoding: lossless under greedy, row pruning, static shapes, acceptance."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,8 +180,8 @@ def test_pruned_draft_step_runs_moe_on_max_num_reqs_rows(bigram_model, monkeypat
   unpruned = _moe_calls(monkeypatch, False, bigram_model, batch, q_len)
   hidden = bigram_model.config.hidden_size
   # First draft step: the MoE input has max_num_reqs rows when pruned, all rows otherwise.
-  assert pruned[0][0] == (batch, hidden)
-  assert unpruned[0][0] == (batch, q_len, hidden)
+  chex.assert_shape(jnp.zeros(pruned[0][0]), (batch, hidden))
+  chex.assert_shape(jnp.zeros(unpruned[0][0]), (batch, q_len, hidden))
   # The implementation is chosen from the unpruned count and is the same on both paths.
   assert [impl for _, impl in pruned] == [impl for _, impl in unpruned]
   assert pruned[0][1] == moe_module.choose_moe_impl(batch * q_len, bigram_model.config)
@@ -201,14 +202,15 @@ def test_pruned_and_unpruned_give_identical_drafts_and_acceptance(bigram_model):
 def test_no_recompilation_after_warm_up(bigram_model):
   generator = SpeculativeGenerator(
     bigram_model,
-    EngineConfig(max_batch_size=4, max_seq_len=256, page_size=8, attention_impl="xla"),
+    EngineConfig(max_batch_size=4, max_seq_len=640, page_size=8, attention_impl="xla"),
     SpeculativeConfig(2),
   )
   generator.generate(PROMPTS, max_new_tokens=8, stop_token_ids=())  # warm-up
   steps = (speculative.verify_step, speculative.draft_step, speculative.draft_prefill_step)
   sizes = [f._cache_size() for f in steps]
-  out = generator.generate(PROMPTS, max_new_tokens=200, stop_token_ids=())
-  assert out.metrics["verify_steps"] >= 200  # request-cycles, with acceptance varying
+  out = generator.generate(PROMPTS, max_new_tokens=600, stop_token_ids=())
+  assert out.metrics["decode_steps"] >= 200  # verify + draft cycles, acceptance varying
+  assert 0.3 < out.metrics["acceptance_rate"] < 1.0
   assert [f._cache_size() for f in steps] == sizes
 
 
