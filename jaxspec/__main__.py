@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxspec.evaluation import EvalConfig, evaluate, format_table
 from jaxspec.model.weights import load_pretrained
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
@@ -49,6 +50,18 @@ def _build_parser() -> argparse.ArgumentParser:
   )
   gen.add_argument("--json", action="store_true", help="print one JSON object")
   add_train_parser(commands)
+  ev = commands.add_parser(
+    "evaluate", help="acceptance per draft position on held-out stdlib files, for each k"
+  )
+  ev.add_argument("--model", help="checkpoint directory; default: the embedded model")
+  ev.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+  ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+  ev.add_argument("--num-prompts", type=int, default=16)
+  ev.add_argument("--prompt-tokens", type=int, default=96)
+  ev.add_argument("--max-new-tokens", type=int, default=64)
+  ev.add_argument("--seed", type=int, default=0)
+  ev.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+  ev.add_argument("--json", action="store_true", help="print the rows as JSON")
   return parser
 
 
@@ -132,10 +145,30 @@ def _print_report(result) -> None:
   print("\n".join(lines), file=sys.stderr)
 
 
+def run_evaluate(args) -> int:
+  if any(not 1 <= k <= 7 for k in args.spec_tokens):
+    raise SystemExit(f"error: --spec-tokens values must be in 1..7, got {args.spec_tokens}")
+  model_dir = args.model or DEFAULT_MODEL
+  model = load_pretrained(model_dir, dtype=_DTYPES[args.dtype])
+  config = EvalConfig(
+    spec_tokens=tuple(args.spec_tokens),
+    temperatures=tuple(args.temperatures),
+    num_prompts=args.num_prompts,
+    prompt_tokens=args.prompt_tokens,
+    max_new_tokens=args.max_new_tokens,
+    seed=args.seed,
+  )
+  rows = evaluate(model, load_tokenizer(model_dir), config, progress=not args.json)
+  print(json.dumps(rows) if args.json else format_table(rows))
+  return 0
+
+
 def main(argv=None) -> int:
   args = _build_parser().parse_args(argv)
   if args.command == "train":
     return run_train(args)
+  if args.command == "evaluate":
+    return run_evaluate(args)
   result = generate(args)
   if args.json:
     print(json.dumps(result))
