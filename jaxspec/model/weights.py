@@ -21,6 +21,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxspec.model.config import GlmConfig
+from jaxspec.model.dsa_config import MODEL_TYPE as DSA_MODEL_TYPE
+from jaxspec.model.dsa_config import GlmDsaConfig
+from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
 from jaxspec.model.transformer import GlmForCausalLM
 
 # Tensors a checkpoint may carry that the model does not use (RoPE caches some exporters write).
@@ -40,7 +43,11 @@ class _Entry:
   layout: str
 
 
-def _decoder_layer_entries(config: GlmConfig, hf_prefix: str, path: tuple, moe: bool):
+def _decoder_layer_entries(
+  config: GlmConfig | GlmDsaConfig, hf_prefix: str, path: tuple, moe: bool, layer: int | None
+):
+  """Entries of decoder layer `layer` (None: the MTP layer's block)."""
+
   def linear(name, sub):
     return _Entry(path + sub + ("kernel",), (f"{hf_prefix}.{name}.weight",), "transpose")
 
@@ -49,6 +56,16 @@ def _decoder_layer_entries(config: GlmConfig, hf_prefix: str, path: tuple, moe: 
 
   yield vector("input_layernorm.weight", ("input_layernorm", "weight"))
   yield vector("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"))
+  if isinstance(config, GlmDsaConfig):
+    # The MTP block always runs its own indexer.
+    indexer = layer is None or config.has_indexer(layer)
+    yield from _mla_entries(config, linear, vector, indexer)
+  else:
+    yield from _gqa_entries(config, linear, vector)
+  yield from _mlp_entries(config, hf_prefix, path, linear, vector, moe)
+
+
+def _gqa_entries(config: GlmConfig, linear, vector):
   for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
     yield linear(f"self_attn.{proj}", ("self_attn", proj))
   if config.attention_bias:
@@ -57,6 +74,25 @@ def _decoder_layer_entries(config: GlmConfig, hf_prefix: str, path: tuple, moe: 
   if config.use_qk_norm:
     yield vector("self_attn.q_norm.weight", ("self_attn", "q_norm", "weight"))
     yield vector("self_attn.k_norm.weight", ("self_attn", "k_norm", "weight"))
+
+
+def _mla_entries(config: GlmDsaConfig, linear, vector, indexer: bool):
+  projections = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+  for proj in projections:
+    yield linear(f"self_attn.{proj}", ("self_attn", proj))
+  if config.attention_bias:
+    for proj in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"):
+      yield vector(f"self_attn.{proj}.bias", ("self_attn", proj, "bias"))
+  for norm in ("q_a_layernorm", "kv_a_layernorm"):
+    yield vector(f"self_attn.{norm}.weight", ("self_attn", norm, "weight"))
+  if indexer:
+    for proj in ("wq_b", "wk", "weights_proj"):
+      yield linear(f"self_attn.indexer.{proj}", ("self_attn", "indexer", proj))
+    for name in ("weight", "bias"):
+      yield vector(f"self_attn.indexer.k_norm.{name}", ("self_attn", "indexer", "k_norm", name))
+
+
+def _mlp_entries(config, hf_prefix: str, path: tuple, linear, vector, moe: bool):
   if not moe:
     for proj in ("gate_proj", "up_proj", "down_proj"):
       yield linear(f"mlp.{proj}", ("mlp", proj))
@@ -80,7 +116,7 @@ def _entries(config: GlmConfig, mtp_own_embedding: bool, mtp_own_head: bool) -> 
   for i in range(config.num_hidden_layers):
     prefix = f"model.layers.{i}"
     yield from _decoder_layer_entries(
-      config, prefix, ("model", "layers", i), config.is_moe_layer(i)
+      config, prefix, ("model", "layers", i), config.is_moe_layer(i), i
     )
   if config.num_nextn_predict_layers:
     n = config.num_hidden_layers
@@ -97,7 +133,7 @@ def _entries(config: GlmConfig, mtp_own_embedding: bool, mtp_own_head: bool) -> 
       yield _Entry(
         ("mtp", "shared_head_head", "kernel"), (f"{prefix}.shared_head.head.weight",), "transpose"
       )
-    yield from _decoder_layer_entries(config, prefix, ("mtp", "layer"), moe=True)
+    yield from _decoder_layer_entries(config, prefix, ("mtp", "layer"), moe=True, layer=None)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -121,20 +157,37 @@ def _read_tensors(files: list[Path]) -> dict[str, jax.Array]:
   return tensors
 
 
-def load_pretrained(
-  path: str | os.PathLike, dtype=jnp.bfloat16, *, config: GlmConfig | None = None
-) -> GlmForCausalLM:
-  """Loads a Hugging Face GLM-4.5-family checkpoint directory into a `GlmForCausalLM`.
+def read_config(path: str | os.PathLike) -> GlmConfig | GlmDsaConfig:
+  """Parses a checkpoint's `config.json`: `GlmDsaConfig` for `glm_moe_dsa`, else `GlmConfig`."""
+  with open(path) as f:
+    raw = json.load(f)
+  if raw.get("model_type") == DSA_MODEL_TYPE:
+    return GlmDsaConfig.from_hf_dict(raw)
+  return GlmConfig.from_hf_dict(raw)
 
-  Reads `config.json` and every `*.safetensors` shard (through `model.safetensors.index.json` when
-  present). Parameters are cast to `dtype`, except the router's `e_score_correction_bias`, kept in
-  float32 as transformers does. A missing, unexpected or mis-shaped tensor is a `ValueError`
-  naming it.
+
+def _keeps_float32(path: tuple) -> bool:
+  """Parameters transformers keeps in float32 whatever the model dtype: the router's correction
+  bias (`_keep_in_fp32_modules_strict`) and the DSA indexer's `weights_proj`."""
+  return path[-1] == "e_score_correction_bias" or "weights_proj" in path
+
+
+def load_pretrained(
+  path: str | os.PathLike, dtype=jnp.bfloat16, *, config: GlmConfig | GlmDsaConfig | None = None
+) -> GlmForCausalLM:
+  """Loads a Hugging Face GLM checkpoint directory into a `GlmForCausalLM`.
+
+  The config's `model_type` picks the family: `glm4_moe` (GLM-4.5) gives a `GlmForCausalLM`,
+  `glm_moe_dsa` (GLM-5) a `GlmDsaForCausalLM`. Reads `config.json` and every `*.safetensors`
+  shard (through `model.safetensors.index.json` when present). Parameters are cast to `dtype`,
+  except those transformers keeps in float32 (`_keeps_float32`). A missing, unexpected or
+  mis-shaped tensor is a `ValueError` naming it.
   """
   path = Path(path)
   if not path.is_dir():
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
-  config = config or GlmConfig.from_json_file(path / "config.json")
+  config = config or read_config(path / "config.json")
+  model_class = GlmDsaForCausalLM if isinstance(config, GlmDsaConfig) else GlmForCausalLM
   tensors = _read_tensors(_checkpoint_files(path))
   mtp_prefix = f"model.layers.{config.num_hidden_layers}"
   own_embedding = f"{mtp_prefix}.embed_tokens.weight" in tensors
@@ -144,7 +197,7 @@ def load_pretrained(
     config = config.replace(num_nextn_predict_layers=0)
 
   def build():
-    return GlmForCausalLM(
+    return model_class(
       config, dtype=dtype, rngs=nnx.Rngs(0), mtp_own_embedding=own_embedding, mtp_own_head=own_head
     )
 
@@ -166,9 +219,7 @@ def load_pretrained(
   for entry in tqdm(entries, desc="loading weights", unit="tensor", disable=len(entries) < 500):
     variable = expected[entry.path]
     value = _convert(entry, tensors, variable.shape)
-    target_dtype = (
-      variable.get_value().dtype if entry.path[-1] == "e_score_correction_bias" else dtype
-    )
+    target_dtype = variable.get_value().dtype if _keeps_float32(entry.path) else dtype
     values[entry.path] = value.astype(target_dtype)
   not_loaded = [p for p in expected if p not in values]
   if not_loaded:
@@ -211,7 +262,7 @@ def _preview(names, limit: int = 8) -> str:
 def save_pretrained(model: GlmForCausalLM, path: str | os.PathLike, dtype=None) -> None:
   """Writes `config.json` and `model.safetensors` in the layout `load_pretrained` reads.
 
-  `dtype` casts every tensor but the router correction bias (float32); default: keep as is.
+  `dtype` casts every tensor but the float32 ones (`_keeps_float32`); default: keep as is.
   """
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
@@ -222,7 +273,7 @@ def save_pretrained(model: GlmForCausalLM, path: str | os.PathLike, dtype=None) 
   tensors = {}
   for entry in _entries(config, own_embedding, own_head):
     value = flat[entry.path]
-    if dtype is not None and entry.path[-1] != "e_score_correction_bias":
+    if dtype is not None and not _keeps_float32(entry.path):
       value = value.astype(dtype)
     if entry.layout == "copy":
       tensors[entry.names[0]] = value

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from jaxspec.model.moe import choose_moe_impl
 from jaxspec.model.transformer import GlmForCausalLM
-from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache
+from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.latent_cache import create_cache
 from jaxspec.serving.sampling import GREEDY, SamplingParams
 from jaxspec.serving.steps import decode_step, prefill_step
 
@@ -89,7 +90,7 @@ class Generator:
     self.allocator = BlockAllocator(
       config.total_pages, config.page_size, shuffle_seed=config.shuffle_pages_seed
     )
-    self.cache = PagedKVCache.create(
+    self.cache = create_cache(
       model.config, self.num_cache_layers, config.total_pages, config.page_size, model.dtype
     )
 
