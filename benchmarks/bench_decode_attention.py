@@ -17,7 +17,15 @@ unique KV bytes (K and V of every request's ``S`` positions) / time. Writes
 ``results/decode_attention.json`` and ``.md``; ``--tune`` adds a sweep of
 tuning configs on three shapes.
 
-Usage: ``python benchmarks/bench_decode_attention.py [--tune] [--quick]``.
+``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
+``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
+128-row tile of two warpgroups (``TuningConfig.two_warpgroup_tiles``), at B8 and
+B64, L 8k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json,md}``;
+with ``--smoke`` it runs the same steps on tiny shapes in GPU interpret mode
+(a CPU check of the script, not a measurement).
+
+Usage: ``python benchmarks/bench_decode_attention.py [--tune] [--quick]``
+or ``python benchmarks/bench_decode_attention.py --two-warpgroup-check [--smoke]``.
 """
 
 import argparse
@@ -35,7 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks._timing import time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.decode_attention.api import paged_decode_attention  # noqa: E402
-from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig  # noqa: E402
+from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig, default_config  # noqa: E402
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -75,9 +83,9 @@ def make_batch(rng, seq_lens) -> Batch:
   )
 
 
-def fresh_queries(rng, batch, q_len, count):
+def fresh_queries(rng, batch, q_len, count, group=GROUP):
   keys = jax.random.split(jax.random.key(int(rng.integers(1 << 31))), count)
-  shape = (batch, q_len, NUM_KV_HEADS * GROUP, HEAD_DIM)
+  shape = (batch, q_len, NUM_KV_HEADS * group, HEAD_DIM)
   return [jax.random.normal(k, shape, DTYPE) for k in keys]
 
 
@@ -86,12 +94,20 @@ def inner_count(kv_bytes):
   return int(np.clip(2e10 / max(kv_bytes, 1), 4, 64))
 
 
-def time_ours(batch, queries, config=None):
+def time_ours(batch, queries, config=None, interpret=False, **timing):
   def fn(q, k, v, tables, lens):
-    return paged_decode_attention(q, k, v, tables, lens, impl="pallas", config=config)
+    return paged_decode_attention(
+      q, k, v, tables, lens, impl="pallas", config=config, interpret=interpret
+    )
 
   return time_jax(
-    fn, queries, batch.k_pages, batch.v_pages, batch.block_tables, jnp.asarray(batch.seq_lens)
+    fn,
+    queries,
+    batch.k_pages,
+    batch.v_pages,
+    batch.block_tables,
+    jnp.asarray(batch.seq_lens),
+    **timing,
   )
 
 
@@ -177,15 +193,114 @@ def run_shape(rng, name, seq_lens, q_lens, contenders):
   return rows
 
 
+def two_warpgroup_check(rng, out_dir, smoke=False):
+  """G 12: default 64-row tiles against one 128-row tile of two warpgroups, same inputs.
+
+  Also reports the largest difference between the two outputs on one input (bf16
+  rounding of differently split chunks, ~1e-2; a broken tile shows as NaN or ~1).
+  """
+  group = 12
+  old_config = default_config(HEAD_DIM, PAGE_SIZE)
+  new_config = dataclasses.replace(old_config, two_warpgroup_tiles=True)
+  if smoke:  # interpret mode: tiny, unsplit, one timed call
+    old_config = dataclasses.replace(old_config, num_chunks=1)
+    new_config = dataclasses.replace(new_config, num_chunks=1)
+  shapes = [("B2 L200", [200, 77])] if smoke else [("B8 L8k", [8192] * 8), ("B64 L8k", [8192] * 64)]
+  timing = {"reps": 1, "warmup": 0} if smoke else {}
+  rows = []
+  for name, seq_lens in shapes:
+    batch = make_batch(rng, seq_lens)
+    lens = jnp.asarray(batch.seq_lens)
+    for q_len in (6, 7):
+      count = 1 if smoke else min(16, inner_count(batch.kv_bytes))  # bounds compile time
+      queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group)
+      row = {"shape": name, "q_len": q_len, "G": group, "kv_bytes": batch.kv_bytes}
+      outputs = {}
+      for label, config in (("tiles_64", old_config), ("two_warpgroups", new_config)):
+        try:
+          outputs[label] = paged_decode_attention(
+            queries[0],
+            batch.k_pages,
+            batch.v_pages,
+            batch.block_tables,
+            lens,
+            impl="pallas",
+            config=config,
+            interpret=smoke,
+          )
+          seconds = time_ours(batch, queries, config, interpret=smoke, **timing)
+          row[label] = {"us": seconds * 1e6, "tbps": batch.kv_bytes / seconds / 1e12}
+        except Exception as error:  # reported in the table, not fatal
+          row[label] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(name, q_len, label, row[label], flush=True)
+      if len(outputs) == 2:
+        difference = jnp.abs(
+          outputs["two_warpgroups"].astype(jnp.float32) - outputs["tiles_64"].astype(jnp.float32)
+        )
+        row["max_abs_difference"] = float(jnp.max(difference))
+      rows.append(row)
+    del batch
+  meta = {
+    "gpu": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "setup": f"bf16, Hkv {NUM_KV_HEADS}, G {group}, D {HEAD_DIM}, page {PAGE_SIZE}"
+    + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
+    "configs": {
+      "tiles_64": dataclasses.asdict(old_config),
+      "two_warpgroups": dataclasses.asdict(new_config),
+    },
+  }
+  (out_dir / "two_warpgroup_tiles.json").write_text(
+    json.dumps({"meta": meta, "rows": rows}, indent=1)
+  )
+
+  def cell(entry):
+    return f"{entry['us']:.1f} us / {entry['tbps']:.2f}" if "us" in entry else "fails"
+
+  lines = [
+    "# 128-row tile of two warpgroups against 64-row tiles (G * q_len > 64)",
+    "",
+    f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}. "
+    "Time per call / effective KV TB/s (unique KV bytes / time); "
+    f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets.",
+    "",
+    "| shape | q_len | 64-row tiles (default) | 128-row tile, two warpgroups | speedup "
+    "| max abs difference |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
+  for row in rows:
+    old, new = row["tiles_64"], row["two_warpgroups"]
+    cells = []
+    for entry in (old, new):
+      share = f" ({100 * entry['tbps'] / DATASHEET_TBPS:.0f}%)" if "us" in entry else ""
+      cells.append(cell(entry) + share)
+    speedup = f"{old['us'] / new['us']:.2f}x" if "us" in old and "us" in new else "n/a"
+    difference = f"{row['max_abs_difference']:.3g}" if "max_abs_difference" in row else "n/a"
+    lines.append(
+      f"| {row['shape']} | {row['q_len']} | {cells[0]} | {cells[1]} | {speedup} | {difference} |"
+    )
+  markdown = "\n".join(lines) + "\n"
+  (out_dir / "two_warpgroup_tiles.md").write_text(markdown)
+  print(markdown)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--tune", action="store_true", help="sweep tuning configs too")
   parser.add_argument("--quick", action="store_true", help="B1 and B64 at L 8k only")
+  parser.add_argument(
+    "--two-warpgroup-check", action="store_true", help="only G 12: 64-row tiles vs two warpgroups"
+  )
+  parser.add_argument("--smoke", action="store_true", help="with --two-warpgroup-check: CPU run")
   parser.add_argument("--out", default=str(RESULTS))
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
+  if args.two_warpgroup_check:
+    two_warpgroup_check(rng, out_dir, smoke=args.smoke)
+    return
 
   read_tbps = measure_read_bandwidth()
   print(f"read ceiling {read_tbps:.2f} TB/s", flush=True)

@@ -1,5 +1,6 @@
 """Tests of paged multi-row decode attention against a float64 NumPy reference."""
 
+import dataclasses
 import math
 import zlib
 
@@ -10,7 +11,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
 from jaxspec.kernels.decode_attention.api import paged_decode_attention
-from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig
+from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig, default_config
 
 # Output tolerances per input dtype: the inputs are exact in that dtype (the
 # float64 reference reads the same rounded values), so the error comes from
@@ -165,6 +166,33 @@ def test_kernel_interpret_matches_float64(case):
   assert not get_races().races_found
 
 
+# More than 64 packed rows (G * q_len > 64) as one 128-row tile of two
+# warpgroups sharing each K/V block. Lengths cross chunk boundaries (200 over
+# 2 chunks of 64-position blocks), need ring refills (num_stages below the
+# blocks per chunk), and include rows that see nothing and padding slots.
+TWO_WARPGROUP_CASES = [
+  # seq_lens, q_len, Hkv, G, D, page, dtype, config
+  ([200, 4, 0, 65], 6, 1, 12, 64, 16, jnp.bfloat16, TuningConfig(num_stages=1, num_chunks=2)),
+  ([129, 6, 1], 7, 1, 12, 128, 32, jnp.float16, TuningConfig(num_stages=2, num_chunks=1)),
+  ([250, 3, 64], 5, 1, 16, 128, 16, jnp.bfloat16, TuningConfig(num_stages=1, num_chunks=3)),
+  ([190, 7, 0], 8, 2, 16, 64, 64, jnp.bfloat16, TuningConfig(block_kv=128, num_stages=2)),
+]
+
+
+def _two_warpgroups(config):
+  return dataclasses.replace(config, two_warpgroup_tiles=True)
+
+
+@pytest.mark.parametrize("case", TWO_WARPGROUP_CASES)
+def test_two_warpgroup_tile_interpret_matches_float64(case):
+  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
+  out = paged_decode_attention(*args, impl="pallas", interpret=True, config=_two_warpgroups(config))
+  check(out, *args, dtype)
+  assert not get_races().races_found
+
+
 def test_chunk_merge_is_deterministic_and_split_invariant():
   rng = np.random.default_rng(7)
   args = make_case(rng, [190, 33], 2, 1, 8, 64, 16, jnp.bfloat16)
@@ -190,6 +218,8 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     paged_decode_attention(*args, impl="pallas", interpret=True)
   with pytest.raises(ValueError, match="block_kv"):
     TuningConfig(block_kv=96)
+  with pytest.raises(ValueError, match="two_warpgroup_tiles"):
+    TuningConfig(two_warpgroup_tiles=1)
 
 
 def _coverage_cases():
@@ -227,6 +257,29 @@ def test_kernel_gpu_coverage(case):
   seq_lens = [0, 1, q_len, page_size + 1, int(rng.integers(200, 700))]
   args = make_case(rng, seq_lens, q_len, 2, group, head_dim, page_size, dtype)
   check(paged_decode_attention(*args, impl="pallas"), *args, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", TWO_WARPGROUP_CASES)
+def test_two_warpgroup_tile_gpu_small_cases(case):
+  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
+  out = paged_decode_attention(*args, impl="pallas", config=_two_warpgroups(config))
+  check(out, *args, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "q_len, group, head_dim", [(6, 12, 128), (7, 12, 64), (8, 12, 128), (5, 16, 64), (8, 16, 128)]
+)
+def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim):
+  """Ragged random lengths (1 to ~3000, edge lengths included) with the heuristic defaults."""
+  rng = np.random.default_rng(q_len * 100 + group + head_dim)
+  seq_lens = [0, 1, q_len - 1, 16, 17, *rng.integers(200, 3000, size=3)]
+  args = make_case(rng, seq_lens, q_len, 2, group, head_dim, 16, jnp.bfloat16)
+  config = _two_warpgroups(default_config(head_dim, 16))
+  check(paged_decode_attention(*args, impl="pallas", config=config), *args, jnp.bfloat16)
 
 
 @pytest.mark.gpu

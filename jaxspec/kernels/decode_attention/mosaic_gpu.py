@@ -7,7 +7,10 @@ softmax, flash-decoding split-KV merge):
   one ``wgmma`` M tile of 64 rows, row ``r = j * G + g`` (token ``j``, query
   head ``g`` of the group). Every KV page of the pair is therefore read from
   HBM once per tile, however many draft rows there are. Pairs with more than
-  64 rows use further 64-row tiles (grid axis ``row_tile``).
+  64 rows use further 64-row tiles (grid axis ``row_tile``), each reading the
+  KV again; with ``TuningConfig.two_warpgroup_tiles`` they use one 128-row
+  tile instead, served by two consumer warpgroups of 64 rows each that share
+  one copy of every K/V block (see "Two warpgroups" below).
 * A work item is (KV head, row tile, request, KV chunk). Its KV blocks of
   ``block_kv`` positions are fetched page by page with TMA into a ring of
   ``num_stages`` shared-memory slots; the page ids are read from the block
@@ -22,6 +25,20 @@ softmax, flash-decoding split-KV merge):
   Each chunk writes its normalised output and base-2 log-sum-exp; the chunks
   are merged afterwards in a fixed order (no atomics), so results do not
   depend on timing.
+
+Two warpgroups (the idea of jax's FlashAttention-3 kernel ``attention_mgpu.py``,
+without its producer warpgroup): warpgroup 0 issues every TMA copy of the
+ring, both warpgroups wait on the same full barriers and run their own
+``wgmma`` on the shared slot. Before warpgroup 0 refills a slot it waits on
+that slot's ``consumed`` barrier, which warpgroup 1 arrives at once its
+``P V`` on the slot is complete (warpgroup 0's own ``wgmma`` is complete by
+program order). The V tail of the last block is zeroed by warpgroup 0 alone,
+which then arrives at a ``v_zeroed`` barrier that warpgroup 1 waits on before
+its ``P V``. Both warpgroups take every branch together (the conditions depend
+only on the request and the step), so every barrier phase is observed by every
+waiter, as GPU interpret mode checks. Its race detector does not track the
+shared-memory reads of ``wgmma`` yet, so a missing ``consumed`` wait would only
+show on the GPU.
 
 Numerics: K positions a row must not see are masked with ``where`` to -inf,
 and V rows past the request's length are zeroed in shared memory before
@@ -61,11 +78,16 @@ class TuningConfig:
     num_chunks: KV chunks per request (the split-KV factor); ``None`` picks it
       from the batch size so that the work items fill every SM's resident
       slots once (see ``default_num_chunks``).
+    two_warpgroup_tiles: when ``G * q_len > 64``, serve all rows of a pair
+      with one 128-row tile of two warpgroups that share each K/V block,
+      instead of 64-row tiles that each read the KV. Off by default until it
+      is validated on the H200.
   """
 
   block_kv: int = 64
   num_stages: int = 4
   num_chunks: int | None = None
+  two_warpgroup_tiles: bool = False
 
   def __post_init__(self):
     if self.block_kv <= 0 or self.block_kv % 64:
@@ -74,6 +96,8 @@ class TuningConfig:
       raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
     if self.num_chunks is not None and self.num_chunks < 1:
       raise ValueError(f"num_chunks must be at least 1 or None, got {self.num_chunks}")
+    if not isinstance(self.two_warpgroup_tiles, bool):
+      raise ValueError(f"two_warpgroup_tiles must be a bool, got {self.two_warpgroup_tiles!r}")
 
 
 def default_config(head_dim: int, page_size: int) -> TuningConfig:
@@ -87,10 +111,11 @@ def default_config(head_dim: int, page_size: int) -> TuningConfig:
   return TuningConfig(block_kv=block_kv, num_stages=max(2, min(8, (64 * 1024) // block_bytes)))
 
 
-def smem_bytes(head_dim: int, config: TuningConfig) -> int:
-  """Shared memory of one work item: the K/V ring, the Q/output tile and the P tile."""
+def smem_bytes(head_dim: int, config: TuningConfig, warpgroups: int = 1) -> int:
+  """Shared memory of one work item: the K/V ring, and per warpgroup its Q/output and P tiles."""
   ring = 2 * config.num_stages * config.block_kv * head_dim * 2
-  return ring + ROWS_PER_TILE * (head_dim + config.block_kv) * 2 + ROWS_PER_TILE * 4
+  rows = warpgroups * ROWS_PER_TILE
+  return ring + rows * (head_dim + config.block_kv) * 2 + rows * 4
 
 
 def default_num_chunks(
@@ -148,10 +173,13 @@ def paged_decode_attention_mosaic(
   block_kv, num_stages = config.block_kv, config.num_stages
   pages_per_block = block_kv // page_size
   num_rows = q_len * group
-  row_tiles = pl.cdiv(num_rows, ROWS_PER_TILE)
-  padded_rows = row_tiles * ROWS_PER_TILE
+  # Consumer warpgroups per tile, each owning 64 of its rows.
+  warpgroups = 2 if config.two_warpgroup_tiles and num_rows > ROWS_PER_TILE else 1
+  rows_per_tile = warpgroups * ROWS_PER_TILE
+  row_tiles = pl.cdiv(num_rows, rows_per_tile)
+  padded_rows = row_tiles * rows_per_tile
   max_blocks = pl.cdiv(max_pages * page_size, block_kv)
-  items_per_sm = max(1, min(4, _SMEM_PER_SM // smem_bytes(head_dim, config)))
+  items_per_sm = max(1, min(4, _SMEM_PER_SM // smem_bytes(head_dim, config, warpgroups)))
   num_chunks = config.num_chunks or default_num_chunks(
     batch, num_kv_heads, row_tiles, max_blocks, items_per_sm
   )
@@ -170,21 +198,32 @@ def paged_decode_attention_mosaic(
     v_ref,  # GMEM [Hkv, num_pages, page_size, D]
     out_ref,  # GMEM [B * num_chunks, Hkv, padded_rows, D]
     lse_ref,  # GMEM f32 [B * num_chunks, Hkv, padded_rows]
-    qo_smem,  # [64, D], Q tile, then the output tile
+    qo_smem,  # [(warpgroups,) 64, D], Q tile, then the output tile
     k_smem,  # [num_stages, block_kv, D]
     v_smem,  # [num_stages, block_kv, D]
-    p_smem,  # [64, block_kv], probabilities of the current block
-    lse_smem,  # f32 [64]
-    q_barrier,
+    p_smem,  # [(warpgroups,) 64, block_kv], probabilities of the current block
+    lse_smem,  # f32 [(warpgroups,) 64]
+    q_barrier,  # [(warpgroups,)]
     k_barriers,  # [num_stages], one arrival per page copy
     v_barriers,
+    *two_warpgroup_barriers,  # consumed [num_stages] and v_zeroed, with two warpgroups
   ):
     kv_head = lax.axis_index("kv_head")
     row_tile = lax.axis_index("row_tile")
     item = lax.axis_index("item")
     request = lax.div(item, num_chunks)
     chunk = lax.rem(item, num_chunks)
-    row_base = row_tile * ROWS_PER_TILE
+    row_base = row_tile * rows_per_tile
+    if warpgroups > 1:
+      consumed_barriers, v_zeroed_barrier = two_warpgroup_barriers
+      wg = lax.axis_index("wg")
+      row_base = row_base + wg * ROWS_PER_TILE
+      qo_smem, p_smem, lse_smem = qo_smem.at[wg], p_smem.at[wg], lse_smem.at[wg]
+      q_barrier = q_barrier.at[wg]
+
+    def when_issuer(condition):
+      """``pl.when`` for the ring's TMA copies, which warpgroup 0 alone issues."""
+      return pl.when(condition & (wg == 0)) if warpgroups > 1 else pl.when(condition)
 
     # The chunk plan, from the request's length on the device.
     seq_len = seq_lens_ref[request]
@@ -212,7 +251,16 @@ def paged_decode_attention_mosaic(
         plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
 
     for s in range(num_stages):
-      pl.when(s < num_steps)(functools.partial(fetch, start + s, s))
+      when_issuer(s < num_steps)(functools.partial(fetch, start + s, s))
+
+    def zero_v_tail(slot, block):
+      v_block = v_smem.at[slot]
+      positions = plgpu.broadcasted_iota(
+        jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA
+      )
+      values = plgpu.load(v_block, layout=plgpu.Layout.WGMMA)
+      v_block[...] = jnp.where(positions + block * block_kv < seq_len, values, 0)
+      plgpu.commit_smem()  # make the stores visible to the tensor cores
 
     def step(i, carry, masked):
       acc, m_i, l_i = carry
@@ -246,13 +294,18 @@ def paged_decode_attention_mosaic(
 
         @pl.when((block + 1) * block_kv > seq_len)
         def _zero_tail():
-          v_block = v_smem.at[slot]
-          positions = plgpu.broadcasted_iota(
-            jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA
-          )
-          values = plgpu.load(v_block, layout=plgpu.Layout.WGMMA)
-          v_block[...] = jnp.where(positions + block * block_kv < seq_len, values, 0)
-          plgpu.commit_smem()  # make the stores visible to the tensor cores
+          if warpgroups == 1:
+            zero_v_tail(slot, block)
+            return
+
+          @pl.when(wg == 0)
+          def _zero_and_signal():
+            zero_v_tail(slot, block)
+            plgpu.barrier_arrive(v_zeroed_barrier)
+
+          @pl.when(wg != 0)
+          def _await_zeroed():
+            plgpu.barrier_wait(v_zeroed_barrier)
 
       # P goes through shared memory: the wgmma A operand is read from there
       # (the GPU interpreter only models that form).
@@ -266,7 +319,19 @@ def paged_decode_attention_mosaic(
       acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
       # Both wgmmas on this slot are complete: refill it.
       refill = i + num_stages
-      pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
+      if warpgroups == 1:
+        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
+      else:
+
+        @pl.when((refill < num_steps) & (wg != 0))
+        def _release_slot():
+          plgpu.barrier_arrive(consumed_barriers.at[slot])
+
+        @when_issuer(refill < num_steps)
+        def _refill_slot():
+          plgpu.barrier_wait(consumed_barriers.at[slot])  # warpgroup 1 is done with it too
+          fetch(start + refill, slot)
+
       return acc, m_new, l_i
 
     m_i = plgpu.layout_cast(
@@ -298,16 +363,19 @@ def paged_decode_attention_mosaic(
     plgpu.wait_smem_to_gmem(0)
 
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  per_warpgroup = (warpgroups,) if warpgroups > 1 else ()
   scratch = [
-    plgpu.SMEM((ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
+    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-    plgpu.SMEM((ROWS_PER_TILE, block_kv), dtype, transforms=transforms),
-    plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
-    plgpu.Barrier(),
+    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, block_kv), dtype, transforms=transforms),
+    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE), jnp.float32),
+    plgpu.Barrier(num_barriers=warpgroups) if warpgroups > 1 else plgpu.Barrier(),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
   ]
+  if warpgroups > 1:
+    scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]  # consumed, v_zeroed
   num_items = batch * num_chunks
   out_type = (
     jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), dtype),
@@ -319,6 +387,8 @@ def paged_decode_attention_mosaic(
     scratch_types=scratch,
     grid=(num_kv_heads, row_tiles, num_items),
     grid_names=("kv_head", "row_tile", "item"),
+    num_threads=warpgroups if warpgroups > 1 else None,
+    thread_name="wg" if warpgroups > 1 else None,
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
   )(block_tables, seq_lens, q_packed, k_pages, v_pages)
