@@ -1,0 +1,77 @@
+"""One top-k conversion per index group in decode steps, counted in the traced step.
+
+`convert_topk_to_physical` is a `jax.jit` function, so every call shows up in a traced step as one
+`jit` equation named after it; the count does not depend on what its body lowers to.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.extend.core import Jaxpr
+
+from jaxspec.model.dsa_config import glm53_small
+from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
+from jaxspec.serving.latent_cache import create_latent_cache
+from jaxspec.serving.sampling import GREEDY
+from jaxspec.serving.steps import decode_step
+
+CONVERSION = "convert_topk_to_physical"
+
+
+def _count_calls(jaxpr, name: str) -> int:
+  """Calls of the jitted function `name` anywhere in `jaxpr` (nested jaxprs included)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == name:
+      count += 1
+    for sub in _param_jaxprs(eqn.params):
+      count += _count_calls(sub, name)
+  return count
+
+
+def _param_jaxprs(params):
+  for value in params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(item, Jaxpr):
+        yield item
+
+
+def _decode_step_jaxpr(config, index_conversion, batch_size=2, page_size=64, max_pages=2):
+  model = nnx.eval_shape(
+    lambda: GlmDsaForCausalLM(config, rngs=nnx.Rngs(0), index_conversion=index_conversion)
+  )
+  graphdef, params = nnx.split(model)
+  cache = jax.eval_shape(
+    lambda: create_latent_cache(
+      config, config.num_hidden_layers, batch_size * max_pages, page_size, jnp.float32
+    )
+  )
+  int_arg = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  traced = decode_step.trace(
+    graphdef,
+    params,
+    cache,
+    int_arg(batch_size, 1),
+    int_arg(batch_size),
+    int_arg(batch_size, max_pages),
+    jax.random.key(0),
+    sampling=GREEDY,
+    moe_impl="per_route",
+    attention_impl="xla",
+  )
+  return traced.jaxpr
+
+
+def test_glm53_decode_step_converts_once_per_group():
+  config = glm53_small()  # 78 layers, index_topk_freq 4, index_skip_topk_offset 3
+  assert len(config.index_groups) == 21
+  assert _count_calls(_decode_step_jaxpr(config, "per_group"), CONVERSION) == 21
+
+
+def test_per_layer_conversion_converts_in_every_layer():
+  config = glm53_small(
+    num_hidden_layers=10, indexer_types=("full",) * 3 + ("shared",) * 3 + ("full",) * 4
+  )
+  assert len(config.index_groups) == 7
+  assert _count_calls(_decode_step_jaxpr(config, "per_group"), CONVERSION) == 7
+  assert _count_calls(_decode_step_jaxpr(config, "per_layer"), CONVERSION) == 10
