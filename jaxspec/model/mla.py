@@ -296,6 +296,8 @@ class MlaAttention(nnx.Module):
     bsz, q_len = x.shape[:2]
     latent_pages = kv_pages[0]
     page_size = latent_pages.shape[2]
+    # "xla" attention forces the XLA conversion too; otherwise the op picks its kernel (its
+    # Pallas tile needs K to be a multiple of 512, which "auto" checks and a forced "pallas" not).
     impl = "xla" if batch.attention_impl == "xla" else "auto"
     if self.indexer is not None:
       keys = _paged_rows(kv_pages[1], batch.block_tables)  # [B, S_max, Di]
