@@ -329,8 +329,11 @@ def _to_legacy_rope(folder):
 
 def _greedy(model, prompt_ids, monitor):
   with monitor.active():
+    # An explicit all-ones mask: without it transformers takes prompt tokens equal to the pad id
+    # (0) for left padding and drops them from the context.
     out = model.generate(
       prompt_ids,
+      attention_mask=torch.ones_like(prompt_ids),
       do_sample=False,
       max_new_tokens=_NEW_TOKENS,
       min_new_tokens=_NEW_TOKENS,

@@ -67,11 +67,6 @@ def test_greedy_generation_matches_transformers(name):
   """24 greedy tokens through the paged latent cache (prefill, then sparse absorbed decode)."""
   model, ref = _load(name)
   prompt = ref["prompt_ids"][0].tolist()
-  # The fixture script calls `generate(..., pad_token_id=0)`, so transformers treats leading 0 ids
-  # as left padding (glm_moe_dsa_b's prompt starts with 0): the reference continues the prompt
-  # without them (checked against transformers 5.23.0 with and without the leading 0).
-  while prompt[0] == 0:
-    prompt = prompt[1:]
   engine = Generator(
     model,
     EngineConfig(
