@@ -22,6 +22,28 @@ _REQUIRED = (
 )
 
 
+def validate_moe_fields(config) -> None:
+  """Checks the routed-expert fields GLM-4.5 and GLM-5 configs share; `ValueError` if broken."""
+  if config.n_routed_experts % config.n_group:
+    raise ValueError(
+      f"n_routed_experts ({config.n_routed_experts}) must be a multiple of "
+      f"n_group ({config.n_group})"
+    )
+  if not 1 <= config.topk_group <= config.n_group:
+    raise ValueError(
+      f"topk_group must be in [1, n_group={config.n_group}], got {config.topk_group}"
+    )
+  if config.n_routed_experts // config.n_group < 2 and config.n_group > 1:
+    raise ValueError(
+      "group-limited routing scores each group by its top-2 experts: need >= 2 per group"
+    )
+  if config.num_experts_per_tok > config.n_routed_experts:
+    raise ValueError(
+      f"num_experts_per_tok ({config.num_experts_per_tok}) exceeds n_routed_experts "
+      f"({config.n_routed_experts})"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class GlmConfig:
   """Static description of a GLM-4.5-style decoder (GQA attention, dense then MoE MLP layers).
@@ -91,24 +113,7 @@ class GlmConfig:
         f"rotary_dim (head_dim * partial_rotary_factor = {self.rotary_dim}) must be even"
       )
     if self.has_moe:
-      if self.n_routed_experts % self.n_group:
-        raise ValueError(
-          f"n_routed_experts ({self.n_routed_experts}) must be a multiple of "
-          f"n_group ({self.n_group})"
-        )
-      if not 1 <= self.topk_group <= self.n_group:
-        raise ValueError(
-          f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}"
-        )
-      if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
-        raise ValueError(
-          "group-limited routing scores each group by its top-2 experts: need >= 2 per group"
-        )
-      if self.num_experts_per_tok > self.n_routed_experts:
-        raise ValueError(
-          f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
-          f"({self.n_routed_experts})"
-        )
+      validate_moe_fields(self)
 
   # ----------------------------------------------------------------------------------------------
   # Derived quantities.

@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any
 
+from jaxspec.model.config import validate_moe_fields
+
 MODEL_TYPE = "glm_moe_dsa"
 INDEXER_TYPES = ("full", "shared")
 
@@ -150,24 +152,7 @@ class GlmDsaConfig:
     if self.indexer_types[0] != "full":
       raise ValueError("indexer_types[0] must be 'full': a shared layer reuses an earlier top-k")
     if self.has_moe:
-      if self.n_routed_experts % self.n_group:
-        raise ValueError(
-          f"n_routed_experts ({self.n_routed_experts}) must be a multiple of "
-          f"n_group ({self.n_group})"
-        )
-      if not 1 <= self.topk_group <= self.n_group:
-        raise ValueError(
-          f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}"
-        )
-      if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
-        raise ValueError(
-          "group-limited routing scores each group by its top-2 experts: need >= 2 per group"
-        )
-      if self.num_experts_per_tok > self.n_routed_experts:
-        raise ValueError(
-          f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
-          f"({self.n_routed_experts})"
-        )
+      validate_moe_fields(self)
 
   # ----------------------------------------------------------------------------------------------
   # Derived quantities.

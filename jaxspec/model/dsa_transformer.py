@@ -21,7 +21,7 @@ from jaxspec.model.dsa_config import GlmDsaConfig
 from jaxspec.model.layers import Embedding, Linear, RMSNorm, SwiGluMlp
 from jaxspec.model.mla import MlaAttention
 from jaxspec.model.moe import MoE, MoeImpl
-from jaxspec.model.transformer import DecoderLayer, GlmForCausalLM
+from jaxspec.model.transformer import DecoderLayer, GlmForCausalLM, MtpLayer
 
 IndexConversion = Literal["per_group", "per_layer"]
 
@@ -72,33 +72,6 @@ class GlmDsaModel(nnx.Module):
     self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
 
-class DsaMtpLayer(nnx.Module):
-  """The MTP layer (checkpoint prefix `model.layers.{num_hidden_layers}`) with an MLA decoder
-  block that runs its own indexer; same parts and names as `transformer.MtpLayer`."""
-
-  def __init__(
-    self,
-    config: GlmDsaConfig,
-    *,
-    dtype,
-    rngs: nnx.Rngs,
-    own_embedding: bool = False,
-    own_head: bool = False,
-  ):
-    h = config.hidden_size
-    self.embed_tokens = (
-      Embedding(config.vocab_size, h, dtype=dtype, rngs=rngs) if own_embedding else None
-    )
-    self.shared_head_head = (
-      Linear(h, config.vocab_size, bias=False, dtype=dtype, rngs=rngs) if own_head else None
-    )
-    self.enorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
-    self.hnorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
-    self.eh_proj = Linear(2 * h, h, bias=False, dtype=dtype, rngs=rngs)
-    self.layer = DsaDecoderLayer(config, moe=True, indexer=True, dtype=dtype, rngs=rngs)
-    self.shared_head_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
-
-
 class GlmDsaForCausalLM(GlmForCausalLM):
   """GLM-5-family causal LM; `model(input_ids)` is the plain causal forward `[B, T] -> [B, T, V]`.
 
@@ -133,8 +106,13 @@ class GlmDsaForCausalLM(GlmForCausalLM):
         config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs
       )
     self.mtp = (
-      DsaMtpLayer(
-        config, dtype=dtype, rngs=rngs, own_embedding=mtp_own_embedding, own_head=mtp_own_head
+      MtpLayer(
+        config,
+        make_layer=lambda: DsaDecoderLayer(config, moe=True, indexer=True, dtype=dtype, rngs=rngs),
+        dtype=dtype,
+        rngs=rngs,
+        own_embedding=mtp_own_embedding,
+        own_head=mtp_own_head,
       )
       if config.num_nextn_predict_layers
       else None

@@ -6,6 +6,8 @@ The multi-token-prediction layer that GLM checkpoints store as `model.layers.{nu
 lives in `GlmForCausalLM.mtp` (DeepSeek-V3 MTP module, arXiv:2412.19437 section 2.2).
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -73,12 +75,15 @@ class MtpLayer(nnx.Module):
   `h = eh_proj(concat(enorm(embed(next_token)), hnorm(target_hidden)))`, one full decoder layer,
   then `shared_head.norm` and the target's lm head. Embedding and lm head are shared with the
   target unless the checkpoint carries its own `embed_tokens` / `shared_head.head`.
+  `make_layer` builds the decoder block (GQA for GLM-4.5, MLA + indexer for GLM-5); GLM's MTP
+  block always uses the MoE MLP, whatever `first_k_dense_replace` says.
   """
 
   def __init__(
     self,
-    config: GlmConfig,
+    config,
     *,
+    make_layer: Callable[[], nnx.Module],
     dtype,
     rngs: nnx.Rngs,
     own_embedding: bool = False,
@@ -94,8 +99,7 @@ class MtpLayer(nnx.Module):
     self.enorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
     self.hnorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
     self.eh_proj = Linear(2 * h, h, bias=False, dtype=dtype, rngs=rngs)
-    # GLM's MTP block always uses the MoE MLP, whatever `first_k_dense_replace` says.
-    self.layer = DecoderLayer(config, moe=True, dtype=dtype, rngs=rngs)
+    self.layer = make_layer()
     self.shared_head_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
 
 
@@ -127,7 +131,12 @@ class GlmForCausalLM(nnx.Module):
       )
     self.mtp = (
       MtpLayer(
-        config, dtype=dtype, rngs=rngs, own_embedding=mtp_own_embedding, own_head=mtp_own_head
+        config,
+        make_layer=lambda: DecoderLayer(config, moe=True, dtype=dtype, rngs=rngs),
+        dtype=dtype,
+        rngs=rngs,
+        own_embedding=mtp_own_embedding,
+        own_head=mtp_own_head,
       )
       if config.num_nextn_predict_layers
       else None
