@@ -18,10 +18,10 @@ from flax import nnx
 
 from jaxspec.model.attention import AttentionBatch
 from jaxspec.model.dsa_config import GlmDsaConfig
-from jaxspec.model.layers import Embedding, Linear, RMSNorm, SwiGluMlp
+from jaxspec.model.layers import Embedding, RMSNorm, SwiGluMlp
 from jaxspec.model.mla import MlaAttention
 from jaxspec.model.moe import MoE, MoeImpl
-from jaxspec.model.transformer import DecoderLayer, GlmForCausalLM, MtpLayer
+from jaxspec.model.transformer import DecoderLayer, GlmForCausalLM
 
 IndexConversion = Literal["per_group", "per_layer"]
 
@@ -94,29 +94,17 @@ class GlmDsaForCausalLM(GlmForCausalLM):
       raise ValueError(
         f"index_conversion must be 'per_group' or 'per_layer', got {index_conversion!r}"
       )
-    rngs = rngs if rngs is not None else nnx.Rngs(0)
-    self.config = config
-    self.dtype = dtype
     self.index_conversion = index_conversion
-    self.model = GlmDsaModel(config, dtype=dtype, rngs=rngs)
-    if config.tie_word_embeddings:
-      self.lm_head = None
-    else:
-      self.lm_head = Linear(
-        config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs
-      )
-    self.mtp = (
-      MtpLayer(
-        config,
-        make_layer=lambda: DsaDecoderLayer(config, moe=True, indexer=True, dtype=dtype, rngs=rngs),
-        dtype=dtype,
-        rngs=rngs,
-        own_embedding=mtp_own_embedding,
-        own_head=mtp_own_head,
-      )
-      if config.num_nextn_predict_layers
-      else None
+    super().__init__(
+      config, dtype=dtype, rngs=rngs, mtp_own_embedding=mtp_own_embedding, mtp_own_head=mtp_own_head
     )
+
+  def _make_trunk(self, config, dtype, rngs):
+    return GlmDsaModel(config, dtype=dtype, rngs=rngs)
+
+  def _make_mtp_block(self, config, dtype, rngs):
+    # The MTP block runs its own indexer (it is a "full" layer of its own).
+    return DsaDecoderLayer(config, moe=True, indexer=True, dtype=dtype, rngs=rngs)
 
   def forward(
     self,

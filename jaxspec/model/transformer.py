@@ -122,7 +122,7 @@ class GlmForCausalLM(nnx.Module):
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     self.config = config
     self.dtype = dtype
-    self.model = GlmModel(config, dtype=dtype, rngs=rngs)
+    self.model = self._make_trunk(config, dtype, rngs)
     if config.tie_word_embeddings:
       self.lm_head = None
     else:
@@ -132,7 +132,7 @@ class GlmForCausalLM(nnx.Module):
     self.mtp = (
       MtpLayer(
         config,
-        make_layer=lambda: DecoderLayer(config, moe=True, dtype=dtype, rngs=rngs),
+        make_layer=lambda: self._make_mtp_block(config, dtype, rngs),
         dtype=dtype,
         rngs=rngs,
         own_embedding=mtp_own_embedding,
@@ -141,6 +141,14 @@ class GlmForCausalLM(nnx.Module):
       if config.num_nextn_predict_layers
       else None
     )
+
+  def _make_trunk(self, config, dtype, rngs) -> nnx.Module:
+    """Embeddings, decoder layers and final norm (subclasses swap in another architecture)."""
+    return GlmModel(config, dtype=dtype, rngs=rngs)
+
+  def _make_mtp_block(self, config, dtype, rngs) -> nnx.Module:
+    """The MTP layer's decoder block: always the MoE MLP, whatever `first_k_dense_replace` says."""
+    return DecoderLayer(config, moe=True, dtype=dtype, rngs=rngs)
 
   def __call__(self, input_ids: jax.Array, *, moe_impl: MoeImpl = "grouped") -> jax.Array:
     """input_ids: int [B, T] -> float32 logits [B, T, V] (causal, positions 0..T-1)."""
