@@ -5,7 +5,7 @@
 #   1. the gpu tests of the two-warpgroup tile against the float64 reference;
 #   2. B8 and B64 at L 8k, q_len 6 and 7, bf16, Hkv 8, D 128, page 16: both
 #      paths on the same inputs, with a short table printed last.
-# Run from the repository root; results go to $OUT (or benchmarks/results).
+# Run from the repository root; results go to $RESULTS_DIR (default benchmarks/results).
 #   bash benchmarks/check_two_warpgroup_tiles.sh          # on the GPU
 #   PYTHON=.venv/bin/python bash benchmarks/check_two_warpgroup_tiles.sh --smoke
 # --smoke runs the same steps on the CPU (interpret-mode tests, tiny shapes) to
@@ -13,7 +13,7 @@
 set -u
 export PYTHONPATH=.
 python=${PYTHON:-python3}
-out=${OUT:-benchmarks/results}
+out=${RESULTS_DIR:-benchmarks/results}
 mkdir -p "$out"
 if [ "${1:-}" = "--smoke" ]; then
   marker="not gpu"
