@@ -12,11 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import ipykernel  # noqa: F401  (the notebooks' kernel; part of the `notebooks` extra)
+import nbclient
+import nbformat
 import pytest
-
-nbformat = pytest.importorskip("nbformat", reason="pip install -e '.[notebooks]'")
-nbclient = pytest.importorskip("nbclient", reason="pip install -e '.[notebooks]'")
-pytest.importorskip("ipykernel", reason="pip install -e '.[notebooks]'")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
