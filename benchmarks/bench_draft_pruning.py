@@ -23,8 +23,6 @@ Results: benchmarks/results/draft_pruning.{json,md}.
 import argparse
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -32,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks._timing import time_jax
+from benchmarks._timing import time_jax, time_stateful
 from jaxspec.model.config import glm45_air, tiny
 from jaxspec.model.moe import choose_moe_impl
 from jaxspec.model.transformer import GlmForCausalLM
@@ -41,21 +39,6 @@ from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import draft_step, verify_step
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _median_seconds(step, state, iters, reps):
-  """Times `state = step(state)` called `iters` times back to back; median over reps."""
-  for _ in range(2):
-    state = step(state)
-  jax.block_until_ready(state)
-  samples = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    for _ in range(iters):
-      state = step(state)
-    jax.block_until_ready(state)
-    samples.append((time.perf_counter() - start) / iters)
-  return statistics.median(samples), state
 
 
 def _model(config, seed):
@@ -107,7 +90,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
     )
     return cache
 
-  times["verify"], cache = _median_seconds(verify, cache, iters, reps)
+  times["verify"], cache = time_stateful(verify, cache, iters, reps)
   if not with_draft:
     return times
   for prune in (True, False):
@@ -131,7 +114,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
         )
         return cache
 
-      times[f"{name}_{tag}"], cache = _median_seconds(draft, cache, iters, reps)
+      times[f"{name}_{tag}"], cache = time_stateful(draft, cache, iters, reps)
 
     def cycle(cache, prune=prune):
       accepted, out, target_hidden, cache = verify_step(
@@ -162,7 +145,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
       )
       return cache
 
-    times[f"cycle_{tag}"], cache = _median_seconds(cycle, cache, iters, reps)
+    times[f"cycle_{tag}"], cache = time_stateful(cycle, cache, iters, reps)
   return times
 
 

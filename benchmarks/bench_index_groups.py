@@ -18,16 +18,15 @@ Results: benchmarks/results/index_groups.{json,md}.
 import argparse
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.extend.core import Jaxpr
 
+from benchmarks._timing import time_jax, time_stateful
+from jaxspec.jaxpr_utils import count_calls
 from jaxspec.kernels import convert_topk_to_physical
 from jaxspec.model.dsa_config import glm53_small
 from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
@@ -38,34 +37,6 @@ from jaxspec.serving.steps import decode_step
 
 RESULTS = Path(__file__).parent / "results"
 CONVERSION = "convert_topk_to_physical"
-
-
-def count_calls(jaxpr, name: str) -> int:
-  """Calls of the jitted function `name` in `jaxpr`, nested jaxprs included."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == name:
-      count += 1
-    for value in eqn.params.values():
-      for item in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(item, Jaxpr):
-          count += count_calls(item, name)
-  return count
-
-
-def median_seconds(step, state, iters, reps):
-  """Times `state = step(state)` back to back (donated state threaded through)."""
-  for _ in range(2):
-    state = step(state)
-  jax.block_until_ready(state)
-  samples = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    for _ in range(iters):
-      state = step(state)
-    jax.block_until_ready(state)
-    samples.append((time.perf_counter() - start) / iters)
-  return statistics.median(samples), state
 
 
 def bench_mode(config, index_conversion, batch, context, page_size, iters, reps, impl):
@@ -97,23 +68,26 @@ def bench_mode(config, index_conversion, batch, context, page_size, iters, reps,
     _, cache = decode_step(graphdef, params, cache, *args, **statics)
     return cache
 
-  seconds, _ = median_seconds(step, cache, iters, reps)
+  seconds, _ = time_stateful(step, cache, iters, reps)
   return conversions, seconds, block_tables
 
 
-def conversion_seconds(config, block_tables, context, page_size, iters, reps, impl):
-  """One conversion of a decode step's B tokens (one row each), timed standalone."""
+def conversion_seconds(config, block_tables, context, page_size, reps, impl):
+  """One conversion of a decode step's B tokens (one row each), timed standalone on 8 fresh
+  random top-k sets (distinct inputs per call, so no call reuses another's result)."""
   batch = block_tables.shape[0]
   rng = np.random.default_rng(0)
-  topk = jnp.asarray(rng.integers(0, context, (batch, config.index_topk)), jnp.int32)
+  topks = [
+    jnp.asarray(rng.integers(0, context, (batch, config.index_topk)), jnp.int32) for _ in range(8)
+  ]
   req_ids = jnp.arange(batch, dtype=jnp.int32)
-  convert = jax.jit(
+  return time_jax(
     lambda topk: convert_topk_to_physical(
       req_ids, block_tables, topk, block_size=page_size, impl=impl
-    )[0]
+    )[0],
+    topks,
+    reps=reps,
   )
-  seconds, _ = median_seconds(convert, topk, iters, reps)
-  return seconds
 
 
 def main():
@@ -155,9 +129,7 @@ def main():
         config, mode, batch, args.context, page_size, args.iters, args.reps, impl
       )
       row[mode] = {"conversions": conversions, "step_s": seconds}
-    one = conversion_seconds(
-      config, block_tables, args.context, page_size, args.iters, args.reps, impl
-    )
+    one = conversion_seconds(config, block_tables, args.context, page_size, args.reps, impl)
     for mode in ("per_group", "per_layer"):
       row[mode]["conversion_s"] = row[mode]["conversions"] * one
     row["one_conversion_s"] = one

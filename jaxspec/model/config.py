@@ -22,6 +22,15 @@ _REQUIRED = (
 )
 
 
+def eos_token_tuple(eos_token_id) -> tuple[int, ...]:
+  """config.json's `eos_token_id` (absent, one id or a list) as a tuple of ids."""
+  if eos_token_id is None:
+    return ()
+  if isinstance(eos_token_id, int):
+    return (eos_token_id,)
+  return tuple(eos_token_id)
+
+
 def validate_moe_fields(config) -> None:
   """Checks the routed-expert fields GLM-4.5 and GLM-5 configs share; `ValueError` if broken."""
   if config.n_routed_experts % config.n_group:
@@ -137,11 +146,7 @@ class GlmConfig:
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
-    if self.eos_token_id is None:
-      return ()
-    if isinstance(self.eos_token_id, int):
-      return (self.eos_token_id,)
-    return tuple(self.eos_token_id)
+    return eos_token_tuple(self.eos_token_id)
 
   # ----------------------------------------------------------------------------------------------
   # Hugging Face config.json.

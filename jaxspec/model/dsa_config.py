@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from jaxspec.model.config import validate_moe_fields
+from jaxspec.model.config import eos_token_tuple, validate_moe_fields
 
 MODEL_TYPE = "glm_moe_dsa"
 INDEXER_TYPES = ("full", "shared")
@@ -189,11 +189,7 @@ class GlmDsaConfig:
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
-    if self.eos_token_id is None:
-      return ()
-    if isinstance(self.eos_token_id, int):
-      return (self.eos_token_id,)
-    return tuple(self.eos_token_id)
+    return eos_token_tuple(self.eos_token_id)
 
   # ----------------------------------------------------------------------------------------------
   # Hugging Face config.json.

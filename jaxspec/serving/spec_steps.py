@@ -168,22 +168,26 @@ def _draft(
 
 
 def draft_step_impl(
-  graphdef,
-  params,
-  cache,
-  target_hidden,
-  emitted,
-  num_accepted,
-  committed_lens,
-  block_tables,
-  key,
+  graphdef: nnx.GraphDef,
+  params: nnx.State,
+  cache: PagedKVCache,
+  target_hidden: jax.Array,  # [B, q_len, H] from verify_step
+  emitted: jax.Array,  # int32 [B, q_len] from verify_step
+  num_accepted: jax.Array,  # int32 [B]
+  committed_lens: jax.Array,  # int32 [B]: target length after this cycle; 0 = inactive
+  block_tables: jax.Array,  # int32 [B, max_pages]
+  key: jax.Array,
   *,
-  num_draft,
-  sampling,
-  attention_impl,
-  prune,
+  num_draft: int,
+  sampling: SamplingParams,
+  attention_impl: str,
+  prune: bool,
 ):
-  """Un-jitted body of `draft_step` (tests trace it to inspect shapes and MoE choices)."""
+  """Draft first step (q_len rows, pruned or not), then k - 1 single-row steps.
+
+  Returns (drafts int32 [B, k], draft_probs float32 [B, k, V] or None when greedy, cache).
+  `draft_step` is this function jitted; tests trace this one to inspect shapes and MoE choices.
+  """
   model = nnx.merge(graphdef, params)
   target_pages, mtp_pages = _split_cache(model, cache)
   batch_size, q_len = emitted.shape
@@ -213,44 +217,9 @@ def draft_step_impl(
   return drafts, draft_probs, PagedKVCache(target_pages + (mtp_pages,))
 
 
-@functools.partial(
-  jax.jit, static_argnames=_STATIC + ("num_draft", "prune"), donate_argnames=("cache",)
+draft_step = jax.jit(
+  draft_step_impl, static_argnames=_STATIC + ("num_draft", "prune"), donate_argnames=("cache",)
 )
-def draft_step(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
-  cache: PagedKVCache,
-  target_hidden: jax.Array,  # [B, q_len, H] from verify_step
-  emitted: jax.Array,  # int32 [B, q_len] from verify_step
-  num_accepted: jax.Array,  # int32 [B]
-  committed_lens: jax.Array,  # int32 [B]: target length after this cycle; 0 = inactive
-  block_tables: jax.Array,  # int32 [B, max_pages]
-  key: jax.Array,
-  *,
-  num_draft: int,
-  sampling: SamplingParams,
-  attention_impl: str,
-  prune: bool,
-):
-  """Draft first step (q_len rows, pruned or not), then k - 1 single-row steps.
-
-  Returns (drafts int32 [B, k], draft_probs float32 [B, k, V] or None when greedy, cache).
-  """
-  return draft_step_impl(
-    graphdef,
-    params,
-    cache,
-    target_hidden,
-    emitted,
-    num_accepted,
-    committed_lens,
-    block_tables,
-    key,
-    num_draft=num_draft,
-    sampling=sampling,
-    attention_impl=attention_impl,
-    prune=prune,
-  )
 
 
 @functools.partial(

@@ -7,8 +7,8 @@
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.extend.core import Jaxpr
 
+from jaxspec.jaxpr_utils import count_calls
 from jaxspec.model.dsa_config import glm53_small
 from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
 from jaxspec.serving.latent_cache import create_latent_cache
@@ -17,24 +17,6 @@ from jaxspec.serving.spec_steps import draft_step, verify_step
 from jaxspec.serving.steps import decode_step
 
 CONVERSION = "convert_topk_to_physical"
-
-
-def _count_calls(jaxpr, name: str) -> int:
-  """Calls of the jitted function `name` anywhere in `jaxpr` (nested jaxprs included)."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == name:
-      count += 1
-    for sub in _param_jaxprs(eqn.params):
-      count += _count_calls(sub, name)
-  return count
-
-
-def _param_jaxprs(params):
-  for value in params.values():
-    for item in value if isinstance(value, (tuple, list)) else (value,):
-      if isinstance(item, Jaxpr):
-        yield item
 
 
 def _int_arg(*shape):
@@ -75,7 +57,7 @@ def _decode_step_jaxpr(config, index_conversion, batch_size=2, page_size=64, max
 def test_glm53_decode_step_converts_once_per_group():
   config = glm53_small()  # 78 layers, index_topk_freq 4, index_skip_topk_offset 3
   assert len(config.index_groups) == 21
-  assert _count_calls(_decode_step_jaxpr(config, "per_group"), CONVERSION) == 21
+  assert count_calls(_decode_step_jaxpr(config, "per_group"), CONVERSION) == 21
 
 
 def test_per_layer_conversion_converts_in_every_layer():
@@ -83,8 +65,8 @@ def test_per_layer_conversion_converts_in_every_layer():
     num_hidden_layers=10, indexer_types=("full",) * 3 + ("shared",) * 3 + ("full",) * 4
   )
   assert len(config.index_groups) == 7
-  assert _count_calls(_decode_step_jaxpr(config, "per_group"), CONVERSION) == 7
-  assert _count_calls(_decode_step_jaxpr(config, "per_layer"), CONVERSION) == 10
+  assert count_calls(_decode_step_jaxpr(config, "per_group"), CONVERSION) == 7
+  assert count_calls(_decode_step_jaxpr(config, "per_layer"), CONVERSION) == 10
 
 
 def test_speculative_steps_convert_once_per_group():
@@ -108,7 +90,7 @@ def test_speculative_steps_convert_once_per_group():
     moe_impl="per_route",
     **statics,
   )
-  assert _count_calls(verify.jaxpr, CONVERSION) == 21
+  assert count_calls(verify.jaxpr, CONVERSION) == 21
   draft = draft_step.trace(
     graphdef,
     params,
@@ -123,4 +105,4 @@ def test_speculative_steps_convert_once_per_group():
     prune=True,
     **statics,
   )
-  assert _count_calls(draft.jaxpr, CONVERSION) == num_draft
+  assert count_calls(draft.jaxpr, CONVERSION) == num_draft

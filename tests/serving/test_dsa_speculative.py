@@ -4,11 +4,9 @@ The model's top-k (4) is smaller than the sequences (up to 36 tokens), so the in
 the target's verify rows and in the MTP layer's draft rows, both reading the paged latent cache.
 """
 
-import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxspec.model import moe as moe_module
 from jaxspec.model.dsa_config import tiny_dsa
 from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
 from jaxspec.serving.engine import EngineConfig, Generator
@@ -20,34 +18,11 @@ ENGINE = EngineConfig(
 )
 
 
-def _scale(variable, factor):
-  variable[...] = variable[...] * factor
-
-
-def mostly_bigram_dsa_model(seed=1, scale=0.2):
-  """A DSA model whose MTP head nearly knows the target's next-next token (see
-  test_speculative.mostly_bigram_model): attention and MLP outputs scaled down, the MTP
-  `eh_proj` passing the next token's embedding on. The small attention and MLP contributions keep
-  both latent caches and the indexers in play."""
-  config = tiny_dsa(vocab_size=32)
-  model = GlmDsaForCausalLM(config, rngs=nnx.Rngs(seed))
-  for layer in [*model.model.layers, model.mtp.layer]:
-    _scale(layer.self_attn.o_proj.kernel, scale)
-    mlp = layer.mlp
-    if isinstance(mlp, moe_module.MoE):
-      _scale(mlp.experts.down, scale)
-      _scale(mlp.shared_experts.down_proj.kernel, scale)
-    else:
-      _scale(mlp.down_proj.kernel, scale)
-  hidden = config.hidden_size
-  pass_embedding = jnp.concatenate([jnp.eye(hidden), 0.02 * jnp.ones((hidden, hidden))], axis=0)
-  model.mtp.eh_proj.kernel[...] = pass_embedding
-  return model
-
-
 @pytest.fixture(scope="module")
-def bigram_model():
-  return mostly_bigram_dsa_model()
+def bigram_model(mostly_bigram):
+  # The small attention and MLP contributions keep both latent caches and the indexers in play.
+  model = GlmDsaForCausalLM(tiny_dsa(vocab_size=32), rngs=nnx.Rngs(1))
+  return mostly_bigram(model, scale=0.2)
 
 
 @pytest.fixture(scope="module")

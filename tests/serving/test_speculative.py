@@ -21,42 +21,15 @@ ENGINE = EngineConfig(
 )
 
 
-def _scale(variable, factor):
-  variable[...] = variable[...] * factor
-
-
-def mostly_bigram_model(seed=0, attention_scale=0.05):
-  """A model whose MTP head nearly knows the target's next-next token, so drafts get accepted.
-
-  With the attention and MLP outputs scaled down, the target's next token depends mostly on the
-  current token (a bigram map f). The MTP layer sees the embedding of token t + 1 through an
-  `eh_proj` that passes it straight on, so it predicts f(token t + 1): the target's next token.
-  The small attention and MLP contributions keep both caches in play: a cache bug changes tokens.
-  """
-  config = tiny(vocab_size=32, first_k_dense_replace=1)
-  model = GlmForCausalLM(config, rngs=nnx.Rngs(seed))
-  for layer in [*model.model.layers, model.mtp.layer]:
-    _scale(layer.self_attn.o_proj.kernel, attention_scale)
-    mlp = layer.mlp
-    if isinstance(mlp, moe_module.MoE):
-      _scale(mlp.experts.down, attention_scale)
-      _scale(mlp.shared_experts.down_proj.kernel, attention_scale)
-    else:
-      _scale(mlp.down_proj.kernel, attention_scale)
-  hidden = config.hidden_size
-  pass_embedding = jnp.concatenate([jnp.eye(hidden), 0.02 * jnp.ones((hidden, hidden))], axis=0)
-  model.mtp.eh_proj.kernel[...] = pass_embedding
-  return model
-
-
 @pytest.fixture(scope="module")
 def random_model():
   return GlmForCausalLM(tiny(vocab_size=16), rngs=nnx.Rngs(1))
 
 
 @pytest.fixture(scope="module")
-def bigram_model():
-  return mostly_bigram_model()
+def bigram_model(mostly_bigram):
+  model = GlmForCausalLM(tiny(vocab_size=32, first_k_dense_replace=1), rngs=nnx.Rngs(0))
+  return mostly_bigram(model, scale=0.05)
 
 
 def _plain(model, prompts, max_new_tokens, stop=()):
