@@ -1,5 +1,7 @@
 """On a Hopper GPU the model's decode-type steps run the Pallas kernel; it must match XLA."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,11 +10,15 @@ from flax import nnx
 
 from jaxspec.kernels.dispatch import is_hopper_gpu
 from jaxspec.model.config import tiny
+from jaxspec.model.dsa_config import tiny_dsa
+from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache
+from jaxspec.serving.latent_cache import create_latent_cache
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import verify_step
+from jaxspec.serving.steps import decode_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -63,3 +69,42 @@ def test_verify_step_logits_with_the_kernel_match_xla():
   valid = np.asarray(seq_lens) > 0
   error = np.linalg.norm(results["pallas"][valid] - results["xla"][valid])
   assert error / np.linalg.norm(results["xla"][valid]) < 1e-2
+
+
+def test_dsa_verify_logits_with_the_conversion_kernel_match_xla():
+  """GLM-5 family: a verify-style step (q_len 4) whose top-k conversion runs the Mosaic GPU kernel
+  gives the logits of the XLA conversion, with conversions shared per group or done per layer."""
+  assert is_hopper_gpu()
+  config = tiny_dsa(index_topk=512)  # a multiple of the kernel's 512-wide tile
+  model = GlmDsaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  page, q_len, batch_size = 64, 4, 3
+  seq_lens = jnp.asarray([700, 300, 0], jnp.int32)  # top-k prunes, top-k > length, padding
+  allocator = BlockAllocator(batch_size * 12, page, shuffle_seed=3)
+  block_tables = jnp.asarray([allocator.allocate(12) for _ in range(batch_size)], jnp.int32)
+  cache = create_latent_cache(
+    config, config.num_hidden_layers, allocator.num_pages, page, jnp.float32
+  )
+  keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(cache))))
+  cache = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), cache)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (batch_size, q_len)), jnp.int32)
+
+  @functools.partial(jax.jit, static_argnums=(0, 3))
+  def logits(graphdef, params, cache, impl):
+    model = nnx.merge(graphdef, params)
+    batch = decode_batch(cache, seq_lens, block_tables, q_len, impl)
+    hidden, _ = model.forward(tokens, batch.positions, cache.layers, batch, moe_impl="grouped")
+    return model.logits(hidden)
+
+  results = {}
+  for index_conversion in ("per_group", "per_layer"):
+    model.index_conversion = index_conversion
+    graphdef, params = nnx.split(model)
+    for impl in ("auto", "xla"):
+      lowered = logits.lower(graphdef, params, cache, impl).as_text()
+      assert ("mosaic_gpu" in lowered) == (impl == "auto")  # the kernel runs only on "auto"
+      results[index_conversion, impl] = np.asarray(logits(graphdef, params, cache, impl))
+  valid = np.asarray(seq_lens) > 0
+  reference = results["per_layer", "xla"][valid]
+  assert np.isfinite(reference).all()
+  for key, result in results.items():
+    np.testing.assert_allclose(result[valid], reference, rtol=1e-5, atol=1e-5, err_msg=str(key))
