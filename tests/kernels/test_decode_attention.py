@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
+from jaxspec.kernels.decode_attention import mosaic_gpu
 from jaxspec.kernels.decode_attention.api import paged_decode_attention
 from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig, default_config
 
@@ -193,6 +194,39 @@ def test_two_warpgroup_tile_interpret_matches_float64(case):
   assert not get_races().races_found
 
 
+# One chunk length for the whole batch (TuningConfig.balance_waves). The plan
+# aims at `balance_waves x slots` items per (KV head, row tile); with 1 SM in
+# place of 132 the tiny batches below already exceed that, so the common
+# length decides: long requests get several chunks, short ones one, and the
+# static grid's spare items (loading and storing nothing) must not leak NaN
+# from their unwritten output tiles into the merge.
+BALANCED_CASES = [
+  # seq_lens, q_len, Hkv, G, D, page, dtype, config
+  ([300, 5, 0, 70], 3, 1, 8, 64, 16, jnp.bfloat16, TuningConfig(num_stages=2, balance_waves=1)),
+  ([200, 1, 129], 7, 2, 4, 128, 32, jnp.float16, TuningConfig(num_stages=1, balance_waves=2)),
+  (
+    [260, 64, 2],
+    6,
+    1,
+    12,
+    64,
+    16,
+    jnp.bfloat16,
+    TuningConfig(num_stages=2, num_chunks=3, balance_waves=1, two_warpgroup_tiles=True),
+  ),
+]
+
+
+@pytest.mark.parametrize("case", BALANCED_CASES)
+def test_balanced_chunks_interpret_match_float64(case, monkeypatch):
+  monkeypatch.setattr(mosaic_gpu, "NUM_SMS", 1)
+  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
+  check(paged_decode_attention(*args, impl="pallas", interpret=True, config=config), *args, dtype)
+  assert not get_races().races_found
+
+
 def test_chunk_merge_is_deterministic_and_split_invariant():
   rng = np.random.default_rng(7)
   args = make_case(rng, [190, 33], 2, 1, 8, 64, 16, jnp.bfloat16)
@@ -220,6 +254,8 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     TuningConfig(block_kv=96)
   with pytest.raises(ValueError, match="two_warpgroup_tiles"):
     TuningConfig(two_warpgroup_tiles=1)
+  with pytest.raises(ValueError, match="balance_waves"):
+    TuningConfig(balance_waves=0)
 
 
 def _coverage_cases():
@@ -284,8 +320,31 @@ def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, max_len", [(1, 9000), (6, 3000)])
-def test_kernel_gpu_large_random(batch, max_len):
+@pytest.mark.parametrize("balance_waves", [None, 2])
+def test_kernel_gpu_large_random(batch, max_len, balance_waves):
   rng = np.random.default_rng(batch)
   seq_lens = rng.integers(1, max_len, size=batch)
   args = make_case(rng, seq_lens, 7, 2, 8, 128, 16, jnp.bfloat16)
-  check(paged_decode_attention(*args, impl="pallas"), *args, jnp.bfloat16)
+  config = dataclasses.replace(default_config(128, 16), balance_waves=balance_waves)
+  check(paged_decode_attention(*args, impl="pallas", config=config), *args, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", BALANCED_CASES)
+def test_balanced_chunks_gpu_small_cases(case, monkeypatch):
+  monkeypatch.setattr(mosaic_gpu, "NUM_SMS", 1)
+  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
+  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
+  check(paged_decode_attention(*args, impl="pallas", config=config), *args, dtype)
+
+
+@pytest.mark.gpu
+def test_balanced_chunks_gpu_ragged_batch():
+  """64 requests of 1 to 5000 positions, padding slots among them, with the real SM count."""
+  rng = np.random.default_rng(64)
+  seq_lens = rng.integers(1, 5000, size=64)
+  seq_lens[[3, 40]] = 0
+  args = make_case(rng, seq_lens, 4, 4, 8, 128, 16, jnp.bfloat16)
+  config = dataclasses.replace(default_config(128, 16), balance_waves=1)
+  check(paged_decode_attention(*args, impl="pallas", config=config), *args, jnp.bfloat16)

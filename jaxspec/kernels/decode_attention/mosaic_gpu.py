@@ -20,8 +20,14 @@ softmax, flash-decoding split-KV merge):
   The causal mask (row ``j`` sees positions ``< S - q_len + j + 1``) is only
   evaluated on the last blocks of a request, where it can bite.
 * Length-aware split without host sync: each request's blocks are cut into
-  ``num_chunks`` equal chunks computed on the device from ``seq_lens``, so a
+  at most ``num_chunks`` chunks computed on the device from ``seq_lens``, so a
   single long request spreads over all SMs while the grid shape stays static.
+  By default a request's chunks are ``ceil(blocks / num_chunks)`` long; with
+  ``TuningConfig.balance_waves`` the whole batch shares one chunk length,
+  ``total blocks / (balance_waves x resident slots)`` (FlashInfer's planner
+  picks one KV chunk size per batch the same way), so the long requests of a
+  ragged batch are cut finer than the short ones and the waves finish
+  together; unused items of the static grid return at once.
   Each chunk writes its normalised output and base-2 log-sum-exp; the chunks
   are merged afterwards in a fixed order (no atomics), so results do not
   depend on timing.
@@ -65,6 +71,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 _SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on Hopper
 _LOG2E = math.log2(math.e)
+BALANCED_MAX_CHUNKS = 16  # chunks per request at most with balance_waves, unless num_chunks says
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,12 +89,19 @@ class TuningConfig:
       with one 128-row tile of two warpgroups that share each K/V block,
       instead of 64-row tiles that each read the KV. Off by default until it
       is validated on the H200.
+    balance_waves: ``None`` cuts each request into ``num_chunks`` chunks of its
+      own length. An integer ``w`` gives every request of the batch one chunk
+      length, ``ceil(total_blocks / (w * slots))`` blocks with ``slots`` the
+      resident work items per (KV head, row tile), and at most ``num_chunks``
+      chunks per request (``num_chunks`` then defaults to
+      ``BALANCED_MAX_CHUNKS``): ragged batches run in ``w`` balanced waves.
   """
 
   block_kv: int = 64
   num_stages: int = 4
   num_chunks: int | None = None
   two_warpgroup_tiles: bool = False
+  balance_waves: int | None = None
 
   def __post_init__(self):
     if self.block_kv <= 0 or self.block_kv % 64:
@@ -98,6 +112,10 @@ class TuningConfig:
       raise ValueError(f"num_chunks must be at least 1 or None, got {self.num_chunks}")
     if not isinstance(self.two_warpgroup_tiles, bool):
       raise ValueError(f"two_warpgroup_tiles must be a bool, got {self.two_warpgroup_tiles!r}")
+    if self.balance_waves is not None and (
+      not isinstance(self.balance_waves, int) or self.balance_waves < 1
+    ):
+      raise ValueError(f"balance_waves must be a positive int or None, got {self.balance_waves!r}")
 
 
 def default_config(head_dim: int, page_size: int) -> TuningConfig:
@@ -183,6 +201,17 @@ def paged_decode_attention_mosaic(
   num_chunks = config.num_chunks or default_num_chunks(
     batch, num_kv_heads, row_tiles, max_blocks, items_per_sm
   )
+  # One chunk length for the whole batch (in blocks, [B]), planned on the device.
+  balanced = config.balance_waves is not None and batch > 1
+  if balanced:
+    if config.num_chunks is None:
+      num_chunks = max(num_chunks, min(BALANCED_MAX_CHUNKS, max_blocks))
+    blocks = lax.div(seq_lens + (block_kv - 1), block_kv)  # [B]
+    slots = config.balance_waves * NUM_SMS * items_per_sm // (num_kv_heads * row_tiles)
+    common = lax.div(jnp.sum(blocks) + (slots - 1), max(slots, 1))
+    chunk_lengths = jnp.maximum(lax.div(blocks + (num_chunks - 1), num_chunks), common)
+  else:
+    chunk_lengths = jnp.zeros((1,), jnp.int32)  # unused: the kernel plans per request
   qk_scale = sm_scale * _LOG2E  # softmax in base 2: exp(s) = exp2(s * log2(e))
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
@@ -193,6 +222,7 @@ def paged_decode_attention_mosaic(
   def kernel(
     block_tables_ref,  # GMEM int32 [B, max_pages]
     seq_lens_ref,  # GMEM int32 [B]
+    chunk_lengths_ref,  # GMEM int32 [B] blocks per chunk when balanced, else [1] unused
     q_ref,  # GMEM [B, Hkv, padded_rows, D]
     k_ref,  # GMEM [Hkv, num_pages, page_size, D]
     v_ref,  # GMEM [Hkv, num_pages, page_size, D]
@@ -228,7 +258,10 @@ def paged_decode_attention_mosaic(
     # The chunk plan, from the request's length on the device.
     seq_len = seq_lens_ref[request]
     num_blocks = lax.div(seq_len + (block_kv - 1), block_kv)
-    chunk_blocks = lax.div(num_blocks + (num_chunks - 1), num_chunks)
+    if balanced:
+      chunk_blocks = chunk_lengths_ref[request]
+    else:
+      chunk_blocks = lax.div(num_blocks + (num_chunks - 1), num_chunks)
     start = jnp.minimum(chunk * chunk_blocks, num_blocks)
     end = jnp.minimum(start + chunk_blocks, num_blocks)
     num_steps = end - start
@@ -236,9 +269,17 @@ def paged_decode_attention_mosaic(
     first_limit = seq_len - (q_len - 1)
     unmasked_end = jnp.clip(lax.div(jnp.maximum(first_limit, 0), block_kv), start, end)
 
-    plgpu.copy_gmem_to_smem(
-      q_ref.at[request, kv_head, pl.ds(row_base, ROWS_PER_TILE)], qo_smem, q_barrier
-    )
+    # Items past a request's last chunk (the grid is static) load and store no tile:
+    # they only report lse = -inf, which gives their partial weight 0 in the merge.
+    # Chunk 0 always stores its tile (zeros when it saw nothing): unsplit calls skip the merge.
+    has_work = num_steps > 0
+    stores_tile = has_work | (chunk == 0)
+
+    @pl.when(has_work)
+    def _load_q():
+      plgpu.copy_gmem_to_smem(
+        q_ref.at[request, kv_head, pl.ds(row_base, ROWS_PER_TILE)], qo_smem, q_barrier
+      )
 
     def fetch(block, slot):
       for p in range(pages_per_block):
@@ -343,7 +384,7 @@ def paged_decode_attention_mosaic(
     acc = plgpu.layout_cast(
       jnp.full((ROWS_PER_TILE, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
     )
-    plgpu.barrier_wait(q_barrier)
+    pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
     carry = (acc, m_i, l_i)
     carry = lax.fori_loop(0, unmasked_end - start, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(
@@ -358,7 +399,7 @@ def paged_decode_attention_mosaic(
     lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
     plgpu.commit_smem()
     tile = pl.ds(row_base, ROWS_PER_TILE)
-    plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[item, kv_head, tile])
+    pl.when(stores_tile)(lambda: plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[item, kv_head, tile]))
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[item, kv_head, tile])
     plgpu.wait_smem_to_gmem(0)
 
@@ -391,7 +432,7 @@ def paged_decode_attention_mosaic(
     thread_name="wg" if warpgroups > 1 else None,
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
-  )(block_tables, seq_lens, q_packed, k_pages, v_pages)
+  )(block_tables, seq_lens, chunk_lengths, q_packed, k_pages, v_pages)
 
   out = merge_chunks(
     partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
@@ -408,7 +449,9 @@ def merge_chunks(
   """Log-sum-exp merge of KV chunks over axis 1, in a fixed order.
 
   ``o = sum_c 2^(lse_c - M) o_c / sum_c 2^(lse_c - M)`` with ``M = max_c lse_c``;
-  rows no chunk saw (all -inf) get weight 0 everywhere and output 0.
+  rows no chunk saw (all -inf) get weight 0 everywhere and output 0. Chunks of
+  weight 0 are selected away, not multiplied by 0: empty chunks leave their
+  output tile unwritten, and 0 * NaN would be NaN.
   """
   if partial_out.shape[1] == 1:
     return partial_out[:, 0]
@@ -416,6 +459,9 @@ def merge_chunks(
   lse_max = jnp.where(lse_max == -jnp.inf, 0.0, lse_max)
   weights = jnp.exp2(partial_lse - lse_max)  # [B, C, Hkv, R], 0 for empty chunks
   total = jnp.sum(weights, axis=1)
-  merged = jnp.einsum("bchr,bchrd->bhrd", weights, partial_out.astype(jnp.float32))
+  seen = (weights > 0.0)[..., None]
+  merged = jnp.einsum(
+    "bchr,bchrd->bhrd", weights, jnp.where(seen, partial_out.astype(jnp.float32), 0.0)
+  )
   merged = merged / jnp.where(total > 0.0, total, 1.0)[..., None]
   return merged.astype(partial_out.dtype)
