@@ -24,8 +24,13 @@ B64, L 8k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json,md}``;
 with ``--smoke`` it runs the same steps on tiny shapes in GPU interpret mode
 (a CPU check of the script, not a measurement).
 
-Usage: ``python benchmarks/bench_decode_attention.py [--tune] [--quick]``
-or ``python benchmarks/bench_decode_attention.py --two-warpgroup-check [--smoke]``.
+``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
+launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
+its CUPTI time, next to the wall time per call: where the time of small shapes goes.
+
+Usage: ``python benchmarks/bench_decode_attention.py [--tune] [--quick]``,
+``python benchmarks/bench_decode_attention.py --two-warpgroup-check [--smoke]`` or
+``python benchmarks/bench_decode_attention.py --breakdown``.
 """
 
 import argparse
@@ -285,6 +290,60 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
   print(markdown)
 
 
+def breakdown(rng, out_dir):
+  """CUPTI time of every kernel of one call of ours, and the wall time per call, per shape."""
+  from jax.experimental.mosaic.gpu import profiler
+
+  rows = []
+  for name, seq_lens, q_len in [
+    ("B1 L8k", [8192], 1),
+    ("B1 L8k", [8192], 7),
+    ("B8 L32k", [32768] * 8, 1),
+    ("B64 L32k", [32768] * 64, 1),
+    ("B64 L32k", [32768] * 64, 7),
+  ]:
+    batch = make_batch(rng, seq_lens)
+    queries = fresh_queries(rng, len(seq_lens), q_len, inner_count(batch.kv_bytes))
+    lens = jnp.asarray(batch.seq_lens)
+    call = jax.jit(
+      lambda q, k, v, t, s: paged_decode_attention(q, k, v, t, s, impl="pallas")  # noqa: B023
+    )
+    args = (queries[0], batch.k_pages, batch.v_pages, batch.block_tables, lens)
+    jax.block_until_ready(call(*args))
+    kernels = []
+    for _ in range(5):  # keep the fastest of five profiled calls, kernel by kernel
+      _, timings = profiler.measure(call, aggregate=False)(*args)
+      if not kernels:
+        kernels = [[kernel, ms * 1e3] for kernel, ms in timings]
+      else:
+        for entry, (_, ms) in zip(kernels, timings, strict=True):
+          entry[1] = min(entry[1], ms * 1e3)
+    wall_us = time_ours(batch, queries) * 1e6
+    row = {"shape": name, "q_len": q_len, "wall_us": wall_us, "kernels": kernels}
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+    del batch
+  (out_dir / "decode_attention_breakdown.json").write_text(json.dumps(rows, indent=1))
+  lines = [
+    "# Where one call of ours spends its time",
+    "",
+    f"{jax.devices()[0].device_kind}, jax {jax.__version__}; CUPTI time of each kernel (fastest "
+    "of five profiled calls) and the wall time per call in a jitted batch of calls.",
+    "",
+    "| shape | q_len | wall us | sum of kernels us | kernels (us) |",
+    "| --- | --- | --- | --- | --- |",
+  ]
+  for row in rows:
+    listed = "; ".join(f"{kernel[:40]} {us:.1f}" for kernel, us in row["kernels"])
+    total = sum(us for _, us in row["kernels"])
+    lines.append(
+      f"| {row['shape']} | {row['q_len']} | {row['wall_us']:.1f} | {total:.1f} | {listed} |"
+    )
+  markdown = "\n".join(lines) + "\n"
+  (out_dir / "decode_attention_breakdown.md").write_text(markdown)
+  print(markdown)
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--tune", action="store_true", help="sweep tuning configs too")
@@ -293,6 +352,7 @@ def main():
     "--two-warpgroup-check", action="store_true", help="only G 12: 64-row tiles vs two warpgroups"
   )
   parser.add_argument("--smoke", action="store_true", help="with --two-warpgroup-check: CPU run")
+  parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--out", default=str(RESULTS))
   args = parser.parse_args()
   rng = np.random.default_rng(0)
@@ -300,6 +360,9 @@ def main():
   out_dir.mkdir(parents=True, exist_ok=True)
   if args.two_warpgroup_check:
     two_warpgroup_check(rng, out_dir, smoke=args.smoke)
+    return
+  if args.breakdown:
+    breakdown(rng, out_dir)
     return
 
   read_tbps = measure_read_bandwidth()
@@ -326,15 +389,18 @@ def main():
   tuning = []
   if args.tune:
     configs = [
-      TuningConfig(num_stages=s, block_kv=bk, num_chunks=c)
-      for s, bk, c in [
-        (1, 64, None),
-        (2, 64, None),
-        (3, 64, None),
-        (1, 128, None),
-        (2, 64, 1),
-        (2, 64, 16),
-        (2, 64, 66),
+      TuningConfig(num_stages=s, block_kv=bk, num_chunks=c, balance_waves=w)
+      for s, bk, c, w in [
+        (1, 64, None, None),
+        (2, 64, None, None),
+        (3, 64, None, None),
+        (1, 128, None, None),
+        (2, 64, 1, None),
+        (2, 64, 16, None),
+        (2, 64, 66, None),
+        (2, 64, None, 1),
+        (2, 64, None, 2),
+        (2, 64, None, 4),
       ]
     ]
     for name, seq_lens, q_len in [
