@@ -1,12 +1,22 @@
 """Timing helpers shared by the benchmarks.
 
-``time_jax`` times a jitted function on the GPU: one jitted program runs it
-back to back on ``inner`` distinct inputs (so XLA cannot merge the calls), the
-wall time of that program after ``block_until_ready`` is divided by ``inner``,
-and the median over ``reps`` repetitions (after warm-up) is reported.
-``time_stateful`` times a step that threads (and donates) its state, such as a KV cache. Dispatch
-of the one program is amortised over ``inner`` calls; for kernels of a few
-microseconds raise ``inner``.
+``time_jax`` times a jitted function on the GPU by the steady-state difference
+method. One jitted program runs it back to back on ``inner`` distinct inputs (so
+XLA cannot merge the calls). Per repetition it times the program launched once
+(``t1``: launch, then block) and launched twice back to back (``t2``: launch,
+launch, block on the second); ``(t2 - t1) / inner`` is the time per call, and the
+median over ``reps`` repetitions (after warm-up; compilation is done before) is
+reported. jax dispatches asynchronously, so the second launch is queued while the
+first one runs: the difference is the device span of one more program, without
+the fixed dispatch and synchronisation cost that a single timed launch includes
+(about 150 us per program on an H200). It is what CUDA events around back-to-back
+calls measure, as ``time_torch`` does for torch. A program shorter than its own
+host dispatch measures the dispatch instead: use larger ``inner`` there.
+
+``time_stateful`` times a step that threads (and donates) its state, such as a KV
+cache: wall time of ``iters`` calls back to back, synchronisation included.
+``profile_stateful`` runs such a step under CUPTI and returns each call's GPU
+kernels with their device-side times.
 
 ``time_torch`` brackets ``inner`` back-to-back calls with CUDA events (device
 side) and reports the median over ``reps`` of the time per call.
@@ -16,19 +26,31 @@ import statistics
 import time
 
 import jax
+from jax.experimental.mosaic.gpu import profiler
 
 
 def time_jax(fn, variants, *shared, reps: int = 15, warmup: int = 2) -> float:
-  """Median seconds per call of ``fn(variant, *shared)`` over the list ``variants``."""
+  """Median seconds per call of ``fn(variant, *shared)`` over the list ``variants``.
+
+  Steady-state difference method (module docstring): per repetition, (wall time of two
+  back-to-back launches of the program of ``len(variants)`` calls minus that of one launch)
+  divided by the number of calls. The program is compiled before any timing.
+  """
   inner = len(variants)
-  batched = jax.jit(lambda vs, *rest: [fn(v, *rest) for v in vs])
+  program = jax.jit(lambda vs, *rest: [fn(v, *rest) for v in vs])
+  program = program.lower(variants, *shared).compile()
   for _ in range(warmup):
-    jax.block_until_ready(batched(variants, *shared))
+    jax.block_until_ready(program(variants, *shared))
   samples = []
   for _ in range(reps):
     start = time.perf_counter()
-    jax.block_until_ready(batched(variants, *shared))
-    samples.append((time.perf_counter() - start) / inner)
+    jax.block_until_ready(program(variants, *shared))
+    once = time.perf_counter() - start
+    start = time.perf_counter()
+    program(variants, *shared)  # queued; the device runs the next launch right after it
+    jax.block_until_ready(program(variants, *shared))
+    twice = time.perf_counter() - start
+    samples.append((twice - once) / inner)
   return statistics.median(samples)
 
 
@@ -36,7 +58,7 @@ def time_stateful(step, state, iters: int = 10, reps: int = 5, warmup: int = 2):
   """Median seconds per call of ``state = step(state)``, called ``iters`` times back to back.
 
   For steps that donate their state (a KV cache): the state is threaded from call to call.
-  Returns (seconds, final state).
+  Wall time, synchronisation included once per ``iters`` calls. Returns (seconds, final state).
   """
   for _ in range(warmup):
     state = step(state)
@@ -49,6 +71,41 @@ def time_stateful(step, state, iters: int = 10, reps: int = 5, warmup: int = 2):
     jax.block_until_ready(state)
     samples.append((time.perf_counter() - start) / iters)
   return statistics.median(samples), state
+
+
+class _ThreadedStep(jax.stages.Wrapped):
+  """``outputs, state = step(state)`` as a call without arguments; the state lives here.
+
+  ``profiler.measure`` calls its function several times with the same arguments (a warm-up,
+  then the profiled calls), and wraps any function that is not a ``jax.stages.Wrapped`` in
+  ``jax.jit``, which would make the state a constant and drop its donation. As a ``Wrapped``
+  this is called as it is, and every call hands ``step`` the state the previous call returned.
+  Only the outputs are returned: an earlier call's state is deleted by the next call's donation.
+  """
+
+  def __init__(self, step, state):
+    self.step = step
+    self.state = state
+
+  def __call__(self):
+    outputs, self.state = self.step(self.state)
+    return outputs
+
+
+def profile_stateful(step, state, iterations: int = 10):
+  """GPU kernels of ``iterations`` calls of ``outputs, state = step(state)``, from CUPTI.
+
+  One unprofiled call runs first (``profiler.measure``'s warm-up); the state is threaded
+  through all calls. Returns (for each profiled call its kernels in launch order as
+  ``(name, device seconds)``, final state). Raises RuntimeError before any call where CUPTI is
+  unavailable (the CPU).
+  """
+  threaded = _ThreadedStep(step, state)
+  _, timings = profiler.measure(threaded, aggregate=False, iterations=iterations)()
+  if timings is None:
+    raise RuntimeError("the step launched no GPU kernel")
+  per_call = [timings] if iterations == 1 else timings
+  return [[(name, ms * 1e-3) for name, ms in call] for call in per_call], threaded.state
 
 
 def time_torch(fn, inner: int = 20, reps: int = 15, warmup: int = 3) -> float:

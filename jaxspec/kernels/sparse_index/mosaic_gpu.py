@@ -51,6 +51,9 @@ from jaxlib.mlir.dialects import arith, memref, vector
 WARPGROUP_SIZE = 128
 # A bulk copy moves a multiple of 16 bytes from a 16-byte aligned address.
 BULK_COPY_ALIGN_ELEMENTS = 4
+# The GPU kernel's name in profiles (CUPTI, Nsight): Pallas Mosaic GPU names a kernel after its
+# body function, here `convert_topk_kernel`, with the suffix `_mosaic_gpu_kernel`.
+KERNEL_NAME = "convert_topk_kernel_mosaic_gpu_kernel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +134,9 @@ def convert_topk_to_physical_mosaic_gpu(
   layout = plgpu.Layout.WG_STRIDED((topk_size,), vec_size=config.vector_size)
   table_flat = block_table.reshape(num_requests * max_blocks)  # [R * max_blocks], free
 
-  def body(req_ids_ref, table_ref, topk_ref, physical_ref, counts_ref, row_smem, *scratch):
+  def convert_topk_kernel(
+    req_ids_ref, table_ref, topk_ref, physical_ref, counts_ref, row_smem, *scratch
+  ):
     # req_ids_ref [T], table_ref [R * max_blocks], topk_ref / physical_ref [T, K] in GMEM;
     # row_smem [K]: the top-k row, then the physical row. Scratch: ([table_smem,] barrier).
     *table_smem, barrier = scratch
@@ -173,7 +178,7 @@ def convert_topk_to_physical_mosaic_gpu(
   scratch_types.append(plgpu.Barrier(num_arrivals=2 if stage_table else 1))
 
   kernel = plgpu.kernel(
-    body,
+    convert_topk_kernel,
     out_type=(
       jax.ShapeDtypeStruct((num_tokens, topk_size), jnp.int32),
       jax.ShapeDtypeStruct((num_tokens,), jnp.int32),
