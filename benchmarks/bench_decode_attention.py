@@ -328,7 +328,7 @@ def breakdown(rng, out_dir):
     "# Where one call of ours spends its time",
     "",
     f"{jax.devices()[0].device_kind}, jax {jax.__version__}; CUPTI time of each kernel (fastest "
-    "of five profiled calls) and the wall time per call in a jitted batch of calls.",
+    "of five profiled calls) and the steady-state time per call in a jitted batch of calls.",
     "",
     "| shape | q_len | wall us | sum of kernels us | kernels (us) |",
     "| --- | --- | --- | --- | --- |",
@@ -429,8 +429,9 @@ def main():
     "setup": f"bf16, Hkv {NUM_KV_HEADS}, G {GROUP}, D {HEAD_DIM}, page {PAGE_SIZE}",
     "read_ceiling_tbps": read_tbps,  # shares below are of the datasheet figure
     "datasheet_tbps": DATASHEET_TBPS,
-    "timing": "jax: median wall time per call of a jitted batch of calls on distinct "
-    "inputs; torch: CUDA events; warm-up excluded",
+    "timing": "jax: median steady-state time per call of a jitted batch of calls on distinct "
+    "inputs (wall time of two back-to-back launches minus one); torch: CUDA events around "
+    "back-to-back calls; warm-up excluded",
   }
   (out_dir / "decode_attention.json").write_text(
     json.dumps({"meta": meta, "rows": rows, "tuning": tuning}, indent=1)

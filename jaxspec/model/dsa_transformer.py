@@ -127,7 +127,10 @@ class GlmDsaForCausalLM(GlmForCausalLM):
       layer_pages = None if kv_pages is None else kv_pages[i]
       shared = None if self.config.has_indexer(i) else selection
       if shared is not None and self.index_conversion == "per_layer":
-        shared = shared.logical_only()
+        # The barrier gives this layer's conversion inputs of its own: XLA would otherwise merge
+        # the identical conversions of a group (common-subexpression elimination) and quietly run
+        # the per-layer baseline as per_group.
+        shared, x = jax.lax.optimization_barrier((shared.logical_only(), x))
       x, layer_pages, selection = layer(x, positions, layer_pages, batch, shared, moe_impl=moe_impl)
       new_pages.append(layer_pages)
     hidden = self.model.norm(x)
