@@ -26,7 +26,7 @@ with ``--smoke`` it runs the same steps on tiny shapes in GPU interpret mode
 
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
-its CUPTI time, next to the wall time per call: where the time of small shapes goes.
+its CUPTI time, next to the steady-state time per call: where the time of small shapes goes.
 
 Usage: ``python benchmarks/bench_decode_attention.py [--tune] [--quick]``,
 ``python benchmarks/bench_decode_attention.py --two-warpgroup-check [--smoke]`` or
@@ -291,7 +291,7 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
 
 
 def breakdown(rng, out_dir):
-  """CUPTI time of every kernel of one call of ours, and the wall time per call, per shape."""
+  """CUPTI time of every kernel of one call of ours, and the steady-state time per call."""
   from jax.experimental.mosaic.gpu import profiler
 
   rows = []
@@ -330,7 +330,7 @@ def breakdown(rng, out_dir):
     f"{jax.devices()[0].device_kind}, jax {jax.__version__}; CUPTI time of each kernel (fastest "
     "of five profiled calls) and the steady-state time per call in a jitted batch of calls.",
     "",
-    "| shape | q_len | wall us | sum of kernels us | kernels (us) |",
+    "| shape | q_len | per call us | sum of kernels us | kernels (us) |",
     "| --- | --- | --- | --- | --- |",
   ]
   for row in rows:
