@@ -72,6 +72,7 @@ SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 _SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on Hopper
 _LOG2E = math.log2(math.e)
 BALANCED_MAX_CHUNKS = 16  # chunks per request at most with balance_waves, unless num_chunks says
+DEFAULT_BALANCE_WAVES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +91,13 @@ class TuningConfig:
       instead of 64-row tiles that each read the KV. Off by default until it
       is validated on the H200.
     balance_waves: ``None`` cuts each request into ``num_chunks`` chunks of its
-      own length. An integer ``w`` gives every request of the batch one chunk
-      length, ``ceil(total_blocks / (w * slots))`` blocks with ``slots`` the
-      resident work items per (KV head, row tile), and at most ``num_chunks``
-      chunks per request (``num_chunks`` then defaults to
-      ``BALANCED_MAX_CHUNKS``): ragged batches run in ``w`` balanced waves.
+      own length. An integer ``w`` (batches of more than one request) plans
+      one chunk length for the whole batch, ``ceil(total_blocks / (w * slots))``
+      blocks with ``slots`` the resident work items per (KV head, row tile);
+      each request is split evenly into that many chunks, at most
+      ``num_chunks`` (which then defaults to room for a request twice the mean
+      length, capped at ``BALANCED_MAX_CHUNKS``): ragged batches run in about
+      ``w`` balanced waves.
   """
 
   block_kv: int = 64
@@ -119,14 +122,20 @@ class TuningConfig:
 
 
 def default_config(head_dim: int, page_size: int) -> TuningConfig:
-  """Heuristic defaults: 64-position blocks and a ring of ~64 KiB of K/V.
+  """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves.
 
   On the H200 a small ring that lets two work items share an SM beat a deep
-  ring with one (B64 L32k q7: 2 stages 4.0 TB/s, 4 stages 3.2 TB/s).
+  ring with one (B64 L32k q7: 2 stages 4.0 TB/s, 4 stages 3.2 TB/s). One chunk
+  length planned for four waves over the whole batch balances ragged batches
+  (tuning sweep in benchmarks/results/decode_attention.md).
   """
   block_kv = max(64, page_size)
   block_bytes = 2 * block_kv * head_dim * 2  # K and V, 16-bit
-  return TuningConfig(block_kv=block_kv, num_stages=max(2, min(8, (64 * 1024) // block_bytes)))
+  return TuningConfig(
+    block_kv=block_kv,
+    num_stages=max(2, min(8, (64 * 1024) // block_bytes)),
+    balance_waves=DEFAULT_BALANCE_WAVES,
+  )
 
 
 def smem_bytes(head_dim: int, config: TuningConfig, warpgroups: int = 1) -> int:
@@ -204,12 +213,16 @@ def paged_decode_attention_mosaic(
   # One chunk length for the whole batch (in blocks, [B]), planned on the device.
   balanced = config.balance_waves is not None and batch > 1
   if balanced:
+    # Items per (KV head, row tile) the plan aims at: balance_waves waves of resident items.
+    target = max(1, config.balance_waves * NUM_SMS * items_per_sm // (num_kv_heads * row_tiles))
     if config.num_chunks is None:
-      num_chunks = max(num_chunks, min(BALANCED_MAX_CHUNKS, max_blocks))
+      # Room for a request twice the mean length; spare items of the static grid cost a launch.
+      num_chunks = min(BALANCED_MAX_CHUNKS, max_blocks, pl.cdiv(2 * target, batch))
     blocks = lax.div(seq_lens + (block_kv - 1), block_kv)  # [B]
-    slots = config.balance_waves * NUM_SMS * items_per_sm // (num_kv_heads * row_tiles)
-    common = lax.div(jnp.sum(blocks) + (slots - 1), max(slots, 1))
-    chunk_lengths = jnp.maximum(lax.div(blocks + (num_chunks - 1), num_chunks), common)
+    common = lax.div(jnp.sum(blocks) + (target - 1), target)
+    # Chunks of about the common length, at most num_chunks, split evenly within a request.
+    chunks = jnp.clip(lax.div(blocks + (common - 1), jnp.maximum(common, 1)), 1, num_chunks)
+    chunk_lengths = lax.div(blocks + (chunks - 1), chunks)
   else:
     chunk_lengths = jnp.zeros((1,), jnp.int32)  # unused: the kernel plans per request
   qk_scale = sm_scale * _LOG2E  # softmax in base 2: exp(s) = exp2(s * log2(e))
