@@ -217,14 +217,16 @@ BALANCED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", BALANCED_CASES)
-def test_balanced_chunks_interpret_match_float64(case, monkeypatch):
+def test_balanced_chunks_match_float64(case, interpret, monkeypatch):
   monkeypatch.setattr(mosaic_gpu, "NUM_SMS", 1)
   seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
   rng = np.random.default_rng(zlib.crc32(str(case).encode()))
   args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  check(paged_decode_attention(*args, impl="pallas", interpret=True, config=config), *args, dtype)
-  assert not get_races().races_found
+  out = paged_decode_attention(*args, impl="pallas", interpret=interpret, config=config)
+  check(out, *args, dtype)
+  assert not (interpret and get_races().races_found)
 
 
 def test_chunk_merge_is_deterministic_and_split_invariant():
@@ -327,16 +329,6 @@ def test_kernel_gpu_large_random(batch, max_len, balance_waves):
   args = make_case(rng, seq_lens, 7, 2, 8, 128, 16, jnp.bfloat16)
   config = dataclasses.replace(default_config(128, 16), balance_waves=balance_waves)
   check(paged_decode_attention(*args, impl="pallas", config=config), *args, jnp.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", BALANCED_CASES)
-def test_balanced_chunks_gpu_small_cases(case, monkeypatch):
-  monkeypatch.setattr(mosaic_gpu, "NUM_SMS", 1)
-  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  check(paged_decode_attention(*args, impl="pallas", config=config), *args, dtype)
 
 
 @pytest.mark.gpu
