@@ -9,9 +9,11 @@ median over ``reps`` repetitions (after warm-up; compilation is done before) is
 reported. jax dispatches asynchronously, so the second launch is queued while the
 first one runs: the difference is the device span of one more program, without
 the fixed dispatch and synchronisation cost that a single timed launch includes
-(about 150 us per program on an H200). It is what CUDA events around back-to-back
-calls measure, as ``time_torch`` does for torch. A program shorter than its own
-host dispatch measures the dispatch instead: use larger ``inner`` there.
+(on an H200, one timed launch of four B64 L32k decode-attention calls read about
+150 us per call above the calls' CUPTI kernel time). It is what CUDA events
+around back-to-back calls measure, as ``time_torch`` does for torch. A program
+shorter than its own host dispatch measures the dispatch instead: use larger
+``inner`` there.
 
 ``time_stateful`` times a step that threads (and donates) its state, such as a KV
 cache: wall time of ``iters`` calls back to back, synchronisation included.

@@ -96,8 +96,9 @@ def fresh_queries(rng, batch, q_len, count, group=GROUP):
 
 
 def inner_count(kv_bytes):
-  """Calls per timed program: enough that dispatch is small next to the work."""
-  return int(np.clip(2e10 / max(kv_bytes, 1), 4, 16))  # more calls only add compile time
+  """Calls per timed program: enough that a program outlasts its own host dispatch (the
+  steady-state timing then measures the device), few enough to keep compile time short."""
+  return int(np.clip(2e10 / max(kv_bytes, 1), 4, 16))
 
 
 def time_ours(batch, queries, config=None, interpret=False, **timing):
