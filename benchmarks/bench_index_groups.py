@@ -47,6 +47,7 @@ from flax import nnx
 
 from benchmarks._timing import profile_stateful, time_stateful
 from jaxspec.jaxpr_utils import count_calls
+from jaxspec.kernels.sparse_index import api as sparse_index_api
 from jaxspec.kernels.sparse_index.mosaic_gpu import KERNEL_NAME
 from jaxspec.model.dsa_config import glm53_small
 from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
@@ -56,7 +57,7 @@ from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.steps import decode_step
 
 RESULTS = Path(__file__).parent / "results"
-CONVERSION = "convert_topk_to_physical"
+CONVERSION = sparse_index_api.OP.backend_names
 MODES = ("per_group", "per_layer")
 PAGE_SIZE = 64
 

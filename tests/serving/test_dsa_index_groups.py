@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.jaxpr_utils import count_calls
+from jaxspec.kernels.sparse_index import api as sparse_index_api
 from jaxspec.model.dsa_config import glm53_small
 from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
 from jaxspec.serving.latent_cache import create_latent_cache
@@ -16,7 +17,7 @@ from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import draft_step, verify_step
 from jaxspec.serving.steps import decode_step
 
-CONVERSION = "convert_topk_to_physical"
+CONVERSION = sparse_index_api.OP.backend_names
 
 
 def _int_arg(*shape):

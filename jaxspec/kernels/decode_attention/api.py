@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jaxspec.kernels.decode_attention import mosaic_gpu
 from jaxspec.kernels.decode_attention.reference import paged_decode_attention_reference
-from jaxspec.kernels.dispatch import resolve_impl
+from jaxspec.kernels.dispatch import KernelOp
 
 MAX_Q_LEN = 8
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -45,6 +45,19 @@ def _check_inputs(q, k_pages, v_pages, block_tables, seq_lens) -> None:
       raise ValueError(f"{name} must have q's dtype {q.dtype}, got {array.dtype}")
 
 
+def _default_config(q, k_pages, *_, **__) -> mosaic_gpu.TuningConfig:
+  return mosaic_gpu.default_config(q.shape[-1], k_pages.shape[2])
+
+
+OP = KernelOp(
+  name="paged_decode_attention",
+  reference=paged_decode_attention_reference,
+  kernel=mosaic_gpu.paged_decode_attention_mosaic_gpu,
+  default_config=_default_config,
+  unsupported_reason=mosaic_gpu.unsupported_reason,
+)
+
+
 def paged_decode_attention(
   q: jax.Array,  # [B, q_len, Hq, D]
   k_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
@@ -70,12 +83,14 @@ def paged_decode_attention(
   if sm_scale is None:
     sm_scale = 1.0 / math.sqrt(q.shape[-1])
   sm_scale = float(sm_scale)  # a static kernel parameter
-  if resolve_impl(impl, interpret) == "pallas":
-    reason = mosaic_gpu.unsupported_reason(q, k_pages, config)
-    if reason is None:
-      return mosaic_gpu.paged_decode_attention_mosaic(
-        q, k_pages, v_pages, block_tables, seq_lens, sm_scale, config, interpret
-      )
-    if impl == "pallas":
-      raise ValueError(f"impl='pallas' cannot serve these inputs: {reason}")
-  return paged_decode_attention_reference(q, k_pages, v_pages, block_tables, seq_lens, sm_scale)
+  return OP(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    seq_lens,
+    sm_scale=sm_scale,
+    impl=impl,
+    interpret=interpret,
+    config=config,
+  )

@@ -64,8 +64,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxspec.kernels.dispatch import num_sms, validate_config_fields
+
 ROWS_PER_TILE = 64  # wgmma M tile of one warpgroup
-NUM_SMS = 132  # H100 / H200 SXM
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
@@ -98,6 +99,7 @@ class TuningConfig:
       ``num_chunks`` (which then defaults to room for a request twice the mean
       length, capped at ``BALANCED_MAX_CHUNKS``): ragged batches run in about
       ``w`` balanced waves.
+    num_sms: SMs the grid is sized for; ``None`` asks the device (132 on an H100/H200).
   """
 
   block_kv: int = 64
@@ -105,8 +107,10 @@ class TuningConfig:
   num_chunks: int | None = None
   two_warpgroup_tiles: bool = False
   balance_waves: int | None = None
+  num_sms: int | None = None
 
   def __post_init__(self):
+    validate_config_fields(self)
     if self.block_kv <= 0 or self.block_kv % 64:
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
     if self.num_stages < 1:
@@ -148,7 +152,7 @@ def smem_bytes(head_dim: int, config: TuningConfig, warpgroups: int = 1) -> int:
 
 
 def default_num_chunks(
-  batch: int, num_kv_heads: int, row_tiles: int, max_blocks: int, items_per_sm: int
+  batch: int, num_kv_heads: int, row_tiles: int, max_blocks: int, slots: int
 ) -> int:
   """Split factor so that the work items fill the resident slots of all SMs once.
 
@@ -157,14 +161,16 @@ def default_num_chunks(
   most one full wave, and chunks stay at least 2 blocks long.
   """
   items = batch * num_kv_heads * row_tiles
-  slots = NUM_SMS * items_per_sm
   if items >= slots:
     return 1
   return max(1, min(slots // items, max_blocks // 2))
 
 
-def unsupported_reason(q, k_pages, config: TuningConfig | None = None) -> str | None:
+def unsupported_reason(
+  q, k_pages, v_pages, block_tables, seq_lens, *, config: TuningConfig, sm_scale: float
+) -> str | None:
   """Why the kernel cannot serve these inputs, or ``None`` when it can."""
+  del v_pages, block_tables, seq_lens, sm_scale  # any values the api accepts are served
   head_dim = q.shape[-1]
   page_size = k_pages.shape[2]
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
@@ -173,20 +179,21 @@ def unsupported_reason(q, k_pages, config: TuningConfig | None = None) -> str | 
     return f"the Mosaic GPU kernel needs head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
   if page_size not in SUPPORTED_PAGE_SIZES:
     return f"the Mosaic GPU kernel needs page size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
-  if config is not None and config.block_kv % page_size:
+  if config.block_kv % page_size:
     return f"block_kv={config.block_kv} must be a multiple of the page size {page_size}"
   return None
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
-def paged_decode_attention_mosaic(
+def paged_decode_attention_mosaic_gpu(
   q: jax.Array,  # [B, q_len, Hq, D]
   k_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
   v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
   block_tables: jax.Array,  # int32 [B, max_pages_per_req]
   seq_lens: jax.Array,  # int32 [B]
+  *,
   sm_scale: float,
-  config: TuningConfig | None = None,
+  config: TuningConfig,
   interpret: bool = False,
 ) -> jax.Array:  # [B, q_len, Hq, D], q.dtype
   """Runs the packed-row kernel and merges its KV chunks (inputs checked by the api)."""
@@ -195,10 +202,6 @@ def paged_decode_attention_mosaic(
   max_pages = block_tables.shape[1]
   group = num_q_heads // num_kv_heads
   dtype = q.dtype
-  if config is None:
-    config = default_config(head_dim, page_size)
-  if (reason := unsupported_reason(q, k_pages, config)) is not None:
-    raise ValueError(reason)
   block_kv, num_stages = config.block_kv, config.num_stages
   pages_per_block = block_kv // page_size
   num_rows = q_len * group
@@ -209,14 +212,15 @@ def paged_decode_attention_mosaic(
   padded_rows = row_tiles * rows_per_tile
   max_blocks = pl.cdiv(max_pages * page_size, block_kv)
   items_per_sm = max(1, min(4, _SMEM_PER_SM // smem_bytes(head_dim, config, warpgroups)))
+  slots = num_sms(config.num_sms) * items_per_sm  # work items resident at once
   num_chunks = config.num_chunks or default_num_chunks(
-    batch, num_kv_heads, row_tiles, max_blocks, items_per_sm
+    batch, num_kv_heads, row_tiles, max_blocks, slots
   )
   # One chunk length for the whole batch (in blocks, [B]), planned on the device.
   balanced = config.balance_waves is not None and batch > 1
   if balanced:
     # Items per (KV head, row tile) the plan aims at: balance_waves waves of resident items.
-    target = max(1, config.balance_waves * NUM_SMS * items_per_sm // (num_kv_heads * row_tiles))
+    target = max(1, config.balance_waves * slots // (num_kv_heads * row_tiles))
     if config.num_chunks is None:
       # Room for a request twice the mean length; spare items of the static grid cost a launch.
       num_chunks = min(BALANCED_MAX_CHUNKS, max_blocks, pl.cdiv(2 * target, batch))

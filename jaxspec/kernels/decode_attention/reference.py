@@ -13,16 +13,20 @@ softmax. Masking is done with ``where`` (never by multiplying with 0) so that
 NaN or garbage in pages a request does not own cannot leak into its output.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
 def paged_decode_attention_reference(
   q: jax.Array,  # [B, q_len, Hq, D]
   k_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
   v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
   block_tables: jax.Array,  # int32 [B, max_pages_per_req]
   seq_lens: jax.Array,  # int32 [B]
+  *,
   sm_scale: float,
 ) -> jax.Array:  # [B, q_len, Hq, D], q.dtype
   """Masked softmax attention over the gathered pages, in float32."""

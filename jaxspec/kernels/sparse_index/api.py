@@ -1,11 +1,9 @@
 """Public entry point: ``convert_topk_to_physical``."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kernels.dispatch import resolve_impl
+from jaxspec.kernels.dispatch import KernelOp
 from jaxspec.kernels.sparse_index import mosaic_gpu, reference
 
 
@@ -31,9 +29,15 @@ def _check_inputs(req_ids, block_table, topk, block_size, block_stride):
     )
 
 
-@functools.partial(
-  jax.jit, static_argnames=("block_size", "block_stride", "impl", "interpret", "config")
+OP = KernelOp(
+  name="convert_topk_to_physical",
+  reference=reference.convert_topk_to_physical_reference,
+  kernel=mosaic_gpu.convert_topk_to_physical_mosaic_gpu,
+  default_config=lambda *_, **__: mosaic_gpu.TuningConfig(),
+  unsupported_reason=mosaic_gpu.unsupported_reason,
 )
+
+
 def convert_topk_to_physical(
   req_ids: jax.Array,  # int32 [T]
   block_table: jax.Array,  # int32 [R, max_blocks]
@@ -64,8 +68,8 @@ def convert_topk_to_physical(
     block_stride: physical slots between consecutive blocks; defaults to
       ``block_size`` (larger when other layers' pages sit in between).
     impl: "pallas" (Mosaic GPU kernel), "xla" (the fused jnp expression) or
-      "auto": pallas on a Hopper GPU when ``K`` is a multiple of the kernel's
-      tile (``mosaic_gpu.topk_tile``, 512 by default), xla otherwise.
+      "auto" (see ``jaxspec.kernels.dispatch``): the kernel on a Hopper GPU where
+      it can serve the inputs (``mosaic_gpu.unsupported_reason``), xla otherwise.
     interpret: run the Pallas kernel in GPU interpret mode (any backend).
     config: kernel tuning knobs; ``None`` takes the defaults.
 
@@ -74,20 +78,15 @@ def convert_topk_to_physical(
   """
   block_stride = block_size if block_stride is None else block_stride
   _check_inputs(req_ids, block_table, topk, block_size, block_stride)
-  config = mosaic_gpu.TuningConfig() if config is None else config
-  chosen = resolve_impl(impl, interpret)
-  if impl == "auto" and topk.shape[1] % mosaic_gpu.topk_tile(config):
-    chosen = "xla"
-  if chosen == "xla" or topk.shape[0] == 0:
-    return reference.convert_topk_to_physical_reference(
-      req_ids, block_table, topk, block_size, block_stride
-    )
-  return mosaic_gpu.convert_topk_to_physical_mosaic_gpu(
+  if topk.shape[0] == 0:  # nothing to convert: no launch, whichever path
+    return jnp.zeros(topk.shape, jnp.int32), jnp.zeros((0,), jnp.int32)
+  return OP(
     req_ids,
     block_table,
     topk,
     block_size=block_size,
     block_stride=block_stride,
-    config=config,
+    impl=impl,
     interpret=interpret,
+    config=config,
   )

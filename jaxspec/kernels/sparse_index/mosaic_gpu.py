@@ -38,6 +38,7 @@ masking, reduction and stores around it are the kernel's own in both modes.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,20 @@ def topk_tile(config: TuningConfig) -> int:
   return WARPGROUP_SIZE * config.vector_size
 
 
+def unsupported_reason(
+  req_ids, block_table, topk, *, config: TuningConfig, block_size: int, block_stride: int
+) -> str | None:
+  """Why the kernel cannot serve these inputs, or ``None`` when it can."""
+  del req_ids, block_table, block_size, block_stride  # the kernel serves any values
+  topk_size = topk.shape[1]
+  if topk_size % topk_tile(config):
+    return (
+      f"topk: K={topk_size} must be a multiple of {topk_tile(config)} "
+      f"(128 threads x vector_size {config.vector_size})"
+    )
+  return None
+
+
 def _lookup_mgpu(table_ref, index):
   """``table_ref[index]`` elementwise: one scalar load per element of ``index``."""
   index_type = ir.IndexType.get()
@@ -112,6 +127,7 @@ def _lookup(table_ref, index, layout, interpret: bool):
   return lookup(table_ref, index)
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "block_stride", "config", "interpret"))
 def convert_topk_to_physical_mosaic_gpu(
   req_ids: jax.Array,  # int32 [T]
   block_table: jax.Array,  # int32 [R, max_blocks]
@@ -125,11 +141,6 @@ def convert_topk_to_physical_mosaic_gpu(
   """The conversion as one Pallas Mosaic GPU launch; shapes are checked by ``api``."""
   num_tokens, topk_size = topk.shape
   num_requests, max_blocks = block_table.shape
-  if topk_size % topk_tile(config):
-    raise ValueError(
-      f"topk: K={topk_size} must be a multiple of {topk_tile(config)} "
-      f"(128 threads x vector_size {config.vector_size})"
-    )
   stage_table = config.stage_table_in_smem and max_blocks % BULK_COPY_ALIGN_ELEMENTS == 0
   layout = plgpu.Layout.WG_STRIDED((topk_size,), vec_size=config.vector_size)
   table_flat = block_table.reshape(num_requests * max_blocks)  # [R * max_blocks], free

@@ -21,14 +21,18 @@ that are not ``-1``. Request ids are clamped into ``[0, R)``, as an XLA gather
 clamps its indices.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
+@functools.partial(jax.jit, static_argnames=("block_size", "block_stride"))
 def convert_topk_to_physical_reference(
   req_ids: jax.Array,  # int32 [T]
   block_table: jax.Array,  # int32 [R, max_blocks]
   topk: jax.Array,  # int32 [T, K]
+  *,
   block_size: int,
   block_stride: int,
 ) -> tuple[jax.Array, jax.Array]:  # (int32 [T, K], int32 [T])
