@@ -57,7 +57,8 @@ def require(predicate: jax.Array, message: str) -> None:
 
 
 def checked_jit(fun, **jit_kwargs):
-  """``jax.jit`` of ``fun`` traced in checked mode; calls raise ``JaxRuntimeError`` on a breach.
+  """``jax.jit`` of ``fun`` traced in checked mode; a breach raises ``checkify.JaxRuntimeError``
+  (a ``ValueError``).
 
   The result behaves like ``fun``: the checkify error is thrown after each call.
   """
