@@ -11,32 +11,12 @@ group.
 """
 
 import dataclasses
-import json
-import os
-from typing import Any
+from typing import Any, ClassVar
 
-from jaxspec.model.config import eos_token_tuple, validate_moe_fields
+from jaxspec.model.config import AttentionKind, ModelConfig, _is_int
 
 MODEL_TYPE = "glm_moe_dsa"
 INDEXER_TYPES = ("full", "shared")
-
-_REQUIRED = (
-  "vocab_size",
-  "hidden_size",
-  "intermediate_size",
-  "num_hidden_layers",
-  "num_attention_heads",
-)
-_POSITIVE = _REQUIRED + (
-  "q_lora_rank",
-  "kv_lora_rank",
-  "qk_nope_head_dim",
-  "qk_rope_head_dim",
-  "v_head_dim",
-  "index_n_heads",
-  "index_head_dim",
-  "index_topk",
-)
 
 
 def derive_indexer_types(
@@ -60,20 +40,29 @@ def derive_indexer_types(
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class GlmDsaConfig:
-  """Static description of a GLM-5-style decoder (MLA + DSA indexer, dense then MoE MLP layers).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GlmDsaConfig(ModelConfig):
+  """GLM-5 family (`glm_moe_dsa`): MLA attention with the DSA indexer, dense then MoE MLP layers.
 
   Attributes mirror transformers' `GlmMoeDsaConfig`; defaults are that class's defaults. Layer
   kinds are explicit tuples: `indexer_types[i]` in {"full", "shared"}, `mlp_layer_types[i]` in
   {"dense", "sparse"} (derived from `first_k_dense_replace` when not given).
   """
 
-  vocab_size: int
-  hidden_size: int
-  intermediate_size: int
-  num_hidden_layers: int
-  num_attention_heads: int
+  model_type: ClassVar[str] = MODEL_TYPE
+  hf_architecture: ClassVar[str] = "GlmMoeDsaForCausalLM"
+  attention_kind: ClassVar[AttentionKind] = "mla"
+  _positive_fields: ClassVar[tuple[str, ...]] = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+  )
+
   num_key_value_heads: int | None = None
   q_lora_rank: int = 2048
   kv_lora_rank: int = 512
@@ -86,54 +75,33 @@ class GlmDsaConfig:
   indexer_types: tuple[str, ...] | None = None
   mlp_layer_types: tuple[str, ...] | None = None
   first_k_dense_replace: int = 3
-  hidden_act: str = "silu"
   max_position_embeddings: int = 202752
-  rms_norm_eps: float = 1e-5
-  rope_theta: float = 10000.0
-  attention_bias: bool = False
   moe_intermediate_size: int = 2048
-  num_experts_per_tok: int = 8
-  n_shared_experts: int = 1
   n_routed_experts: int = 256
   routed_scaling_factor: float = 2.5
-  n_group: int = 1
-  topk_group: int = 1
-  norm_topk_prob: bool = True
-  num_nextn_predict_layers: int = 0
-  tie_word_embeddings: bool = False
   bos_token_id: int | None = 0
   eos_token_id: int | tuple[int, ...] | None = 1
-  pad_token_id: int | None = None
-  model_type: str = MODEL_TYPE
 
-  def __post_init__(self):
+  def _complete(self) -> None:
     if self.num_key_value_heads is None:
       object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-    if self.indexer_types is None:
+    if self.indexer_types is None and _is_int(self.num_hidden_layers):
       object.__setattr__(self, "indexer_types", derive_indexer_types(self.num_hidden_layers))
-    if self.mlp_layer_types is None:
+    if self.mlp_layer_types is None and _is_int(self.num_hidden_layers):
       dense = min(self.first_k_dense_replace, self.num_hidden_layers)
       kinds = ("dense",) * dense + ("sparse",) * (self.num_hidden_layers - dense)
       object.__setattr__(self, "mlp_layer_types", kinds)
-    for name in ("indexer_types", "mlp_layer_types", "eos_token_id"):
-      if isinstance(getattr(self, name), list):
-        object.__setattr__(self, name, tuple(getattr(self, name)))
-    self._validate()
 
-  def _validate(self):
-    if self.model_type != MODEL_TYPE:
-      raise ValueError(f"model_type {self.model_type!r} is not supported; expected {MODEL_TYPE!r}")
-    for name in _POSITIVE:
+  def _validate_family(self) -> None:
+    for name in self._positive_fields:
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
+      if not _is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if self.num_key_value_heads != self.num_attention_heads:
       raise ValueError(
         "MLA expands every head from the latent: num_key_value_heads "
         f"({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})"
       )
-    if self.hidden_act != "silu":
-      raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; GLM uses 'silu'")
     if self.qk_rope_head_dim % 2:
       raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
     if self.index_head_dim < self.qk_rope_head_dim:
@@ -151,8 +119,6 @@ class GlmDsaConfig:
         )
     if self.indexer_types[0] != "full":
       raise ValueError("indexer_types[0] must be 'full': a shared layer reuses an earlier top-k")
-    if self.has_moe:
-      validate_moe_fields(self)
 
   # ----------------------------------------------------------------------------------------------
   # Derived quantities.
@@ -166,15 +132,15 @@ class GlmDsaConfig:
     """Width of one latent cache row: the normed KV latent, then the roped shared key."""
     return self.kv_lora_rank + self.qk_rope_head_dim
 
-  @property
-  def has_moe(self) -> bool:
-    return "sparse" in self.mlp_layer_types or self.num_nextn_predict_layers > 0
+  def is_moe_layer(self, layer: int) -> bool:
+    return layer >= self.num_hidden_layers or self.mlp_layer_types[layer] == "sparse"
 
-  def is_moe_layer(self, layer_index: int) -> bool:
-    return self.mlp_layer_types[layer_index] == "sparse"
+  def has_indexer(self, layer: int) -> bool:
+    """Full layers and the MTP block (a full layer of its own) run the indexer."""
+    return layer >= self.num_hidden_layers or self.indexer_types[layer] == "full"
 
-  def has_indexer(self, layer_index: int) -> bool:
-    return self.indexer_types[layer_index] == "full"
+  def reuses_index(self, layer: int) -> bool:
+    return not self.has_indexer(layer)
 
   @property
   def index_groups(self) -> tuple[tuple[int, ...], ...]:
@@ -187,31 +153,12 @@ class GlmDsaConfig:
         groups[-1].append(i)
     return tuple(map(tuple, groups))
 
-  @property
-  def eos_token_ids(self) -> tuple[int, ...]:
-    return eos_token_tuple(self.eos_token_id)
-
   # ----------------------------------------------------------------------------------------------
   # Hugging Face config.json.
 
   @classmethod
-  def from_hf_dict(cls, raw: dict[str, Any]) -> "GlmDsaConfig":
-    """Parses a transformers `config.json` dictionary of model_type `glm_moe_dsa`."""
-    if raw.get("model_type") != MODEL_TYPE:
-      raise ValueError(
-        f"config.json has model_type {raw.get('model_type')!r}; GlmDsaConfig reads {MODEL_TYPE!r}"
-      )
-    missing = [name for name in _REQUIRED if name not in raw]
-    if missing:
-      raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
-    values = {f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw}
-    rope = raw.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" or raw.get("rope_scaling"):
-      raise ValueError(f"rope_type {rope_type!r} is not supported; only 'default' RoPE is")
-    if "rope_theta" in rope:
-      values["rope_theta"] = rope["rope_theta"]
-    if "num_experts" in raw and raw["num_experts"] is not None:
+  def _parse_family(cls, raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    if raw.get("num_experts") is not None:
       values["n_routed_experts"] = raw["num_experts"]
     if raw.get("indexer_types") is None:
       values["indexer_types"] = derive_indexer_types(
@@ -220,25 +167,10 @@ class GlmDsaConfig:
         offset=raw.get("index_skip_topk_offset", 2),
         pattern=raw.get("index_topk_pattern"),
       )
-    for name in ("indexer_types", "mlp_layer_types", "eos_token_id"):
-      if isinstance(values.get(name), list):
-        values[name] = tuple(values[name])
-    return cls(**values)
+    return values
 
-  @classmethod
-  def from_json_file(cls, path: str | os.PathLike) -> "GlmDsaConfig":
-    with open(path) as f:
-      return cls.from_hf_dict(json.load(f))
-
-  def to_hf_dict(self) -> dict[str, Any]:
-    """The `config.json` dictionary transformers' `GlmMoeDsaConfig` reads back."""
-    values = dataclasses.asdict(self)
-    values["rope_parameters"] = {"rope_type": "default", "rope_theta": values.pop("rope_theta")}
-    for name in ("indexer_types", "mlp_layer_types", "eos_token_id"):
-      if isinstance(values[name], tuple):
-        values[name] = list(values[name])
+  def _write_family(self, values: dict[str, Any]) -> dict[str, Any]:
     values["head_dim"] = self.qk_rope_head_dim  # what transformers stores (the rotary width)
-    values["architectures"] = ["GlmMoeDsaForCausalLM"]
     return values
 
   def replace(self, **changes) -> "GlmDsaConfig":

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxspec.model.config import read_config
 from jaxspec.model.dsa_config import GlmDsaConfig, derive_indexer_types, glm53_small, tiny_dsa
-from jaxspec.model.weights import read_config
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
