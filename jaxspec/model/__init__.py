@@ -1,16 +1,22 @@
-"""Flax NNX GLM models: config, layers, attention, MoE, transformer, checkpoint I/O."""
+"""Flax NNX GLM models: configs, layers, attention, MoE, the decoder, its cache, checkpoint I/O."""
 
-from jaxspec.model.config import GlmConfig, glm45, glm45_air, tiny
+from jaxspec.model.cache import ModelCache
+from jaxspec.model.config import FAMILIES, GlmConfig, ModelConfig, glm45, glm45_air, tiny
 from jaxspec.model.dsa_config import GlmDsaConfig, glm53_small, tiny_dsa
-from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
-from jaxspec.model.transformer import GlmForCausalLM
+from jaxspec.model.metadata import KernelChoices, StepMetadata
+from jaxspec.model.transformer import GlmDsaForCausalLM, GlmForCausalLM
 from jaxspec.model.weights import load_pretrained, save_pretrained
 
 __all__ = [
+  "FAMILIES",
   "GlmConfig",
   "GlmDsaConfig",
   "GlmDsaForCausalLM",
   "GlmForCausalLM",
+  "KernelChoices",
+  "ModelCache",
+  "ModelConfig",
+  "StepMetadata",
   "glm45",
   "glm45_air",
   "glm53_small",

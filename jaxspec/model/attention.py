@@ -1,45 +1,59 @@
-"""GLM-4.5 GQA attention (partial RoPE, optional q/k RMSNorm and q/k/v bias) over a paged cache.
+"""Attention modules over the paged cache, and GLM-4.5's GQA attention.
 
-Three ways to run it, picked by the static `AttentionBatch.mode`:
+Every attention module satisfies the `Attention` protocol: it declares and creates its own page
+pytree (`init_pages`) and runs one step, `(x, pages, step, selection) -> (out, pages, selection)`,
+in the three modes of `StepMetadata` (plain, prefill, decode). `selection` is the sparse-attention
+key choice an index group hands from layer to layer (GLM-5's `IndexSelection`); attention without
+an indexer passes None through.
 
-- no batch (`batch=None`): a plain causal forward over the given tokens, nothing cached;
-- `"prefill"`: the request's first tokens (positions 0..T-1). New keys/values are written to the
-  paged cache and attention runs densely over them, keys past `seq_lens[b]` masked;
-- `"decode"`: 1..8 new rows per request (plain decode, speculative verify, MTP draft). Keys and
-  values are written first, then `jaxspec.kernels.paged_decode_attention` reads the whole request
-  from the cache with the multi-row causal mask.
+GLM-4.5's GQA (partial RoPE, optional q/k RMSNorm and q/k/v bias) caches per-head keys and values,
+`GqaPages`; in decode steps `jaxspec.kernels.paged_decode_attention` reads the whole request from
+the cache with the multi-row causal mask.
 """
 
 import dataclasses
-from typing import Literal
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.kernels import paged_decode_attention
+from jaxspec.model.cache import Pages
 from jaxspec.model.config import GlmConfig
 from jaxspec.model.layers import Linear, RMSNorm, apply_partial_rope
+from jaxspec.model.metadata import StepMetadata
 
-AttentionMode = Literal["prefill", "decode"]
+
+class Attention(Protocol):
+  """What the decoder layer needs of an attention module (GQA, MLA + DSA, ...)."""
+
+  def init_pages(self, num_pages: int, page_size: int, dtype) -> Pages:
+    """Zeroed pages of this layer for a pool of `num_pages` pages of `page_size` tokens."""
+    ...
+
+  def __call__(
+    self, x: jax.Array, pages: Pages | None, step: StepMetadata, selection: Any
+  ) -> tuple[jax.Array, Pages | None, Any]:
+    """x: [B, T, H] -> (out [B, T, H], updated pages (None in plain mode), selection)."""
+    ...
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class AttentionBatch:
-  """Where this step's tokens sit in the paged cache. All fields are device arrays but `mode`.
+class GqaPages:
+  """One GQA layer's paged keys and values, HND like `paged_decode_attention` reads them."""
 
-  `slot_mapping` holds flat cache slots (`page * page_size + offset`); -1 marks a row whose key and
-  value must not be written (padding). `seq_lens[b]` is request b's KV length *after* this step's
-  rows are written; 0 marks a padding request.
-  """
+  k: jax.Array  # [Hkv, num_pages, page_size, D]
+  v: jax.Array  # [Hkv, num_pages, page_size, D]
 
-  positions: jax.Array  # int32 [B, T]
-  slot_mapping: jax.Array  # int32 [B, T]
-  block_tables: jax.Array  # int32 [B, max_pages_per_req]
-  seq_lens: jax.Array  # int32 [B]
-  mode: AttentionMode = dataclasses.field(default="decode", metadata=dict(static=True))
-  attention_impl: str = dataclasses.field(default="auto", metadata=dict(static=True))
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
 
 
 def write_kv_pages(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -82,6 +96,8 @@ def dense_causal_attention(q, k, v, valid_lens, sm_scale):
 
 
 class GqaAttention(nnx.Module):
+  """GLM-4.5 grouped-query attention (transformers' `Glm4MoeAttention`)."""
+
   def __init__(self, config: GlmConfig, *, dtype, rngs: nnx.Rngs):
     h, d = config.hidden_size, config.head_dim
     self.num_heads = config.num_attention_heads
@@ -100,11 +116,16 @@ class GqaAttention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
 
-  def __call__(self, x, positions, kv_pages=None, batch: AttentionBatch | None = None):
-    """x: [B, T, H]; positions: int32 [B, T]; kv_pages: (k, v) each [Hkv, P, page, D] or None.
+  def init_pages(self, num_pages: int, page_size: int, dtype) -> GqaPages:
+    shape = (self.num_kv_heads, num_pages, page_size, self.head_dim)
+    return GqaPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-    Returns (out [B, T, H], updated kv_pages or None).
+  def __call__(self, x, pages: GqaPages | None, step: StepMetadata, selection=None):
+    """x: [B, T, H]; pages: this layer's `GqaPages` (None in plain mode).
+
+    Returns (out [B, T, H], updated pages or None, `selection` passed through).
     """
+    positions = step.positions
     bsz, num_tokens, _ = x.shape
     q = self.q_proj(x).reshape(bsz, num_tokens, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(bsz, num_tokens, self.num_kv_heads, self.head_dim)
@@ -115,23 +136,23 @@ class GqaAttention(nnx.Module):
     k = apply_partial_rope(k, positions, self.rotary_dim, self.rope_theta)
     sm_scale = self.head_dim**-0.5
 
-    if batch is None:
+    if not step.cached:
       valid = jnp.full((bsz,), num_tokens, jnp.int32)
       out = dense_causal_attention(q, k, v, valid, sm_scale)
     else:
-      k_pages = write_kv_pages(kv_pages[0], k, batch.slot_mapping)
-      v_pages = write_kv_pages(kv_pages[1], v, batch.slot_mapping)
-      kv_pages = (k_pages, v_pages)
-      if batch.mode == "prefill":
-        out = dense_causal_attention(q, k, v, batch.seq_lens, sm_scale)
+      pages = GqaPages(
+        write_kv_pages(pages.k, k, step.slot_mapping), write_kv_pages(pages.v, v, step.slot_mapping)
+      )
+      if step.mode == "prefill":
+        out = dense_causal_attention(q, k, v, step.seq_lens, sm_scale)
       else:
         out = paged_decode_attention(
           q,
-          k_pages,
-          v_pages,
-          batch.block_tables,
-          batch.seq_lens,
+          pages.k,
+          pages.v,
+          step.block_tables,
+          step.seq_lens,
           sm_scale=sm_scale,
-          impl=batch.attention_impl,
+          impl=step.kernels.attention,
         )
-    return self.o_proj(out.reshape(bsz, num_tokens, -1)), kv_pages
+    return self.o_proj(out.reshape(bsz, num_tokens, -1)), pages, selection

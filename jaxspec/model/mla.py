@@ -14,9 +14,9 @@ Numerics follow transformers' `glm_moe_dsa` (tests/fixtures/README.md lists the 
 norms use eps 1e-6, the rope channels are the last `qk_rope_head_dim` of a query head but the
 first of an indexer head, and RoPE is interleaved (pairs `(2i, 2i + 1)`), written de-interleaved.
 
-Three ways to run, picked like `GqaAttention` by `AttentionBatch.mode`:
+Three ways to run, picked like `GqaAttention` by `StepMetadata.mode`:
 
-- no batch: plain causal forward over the given tokens;
+- `"plain"`: causal forward over the given tokens;
 - `"prefill"`: the request's first tokens; latent rows and indexer keys are written to the pages,
   attention runs densely over the fresh tokens in the expanded form;
 - `"decode"`: 1..8 new rows per request. Rows are written first, the indexer scores the request's
@@ -32,13 +32,35 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.kernels import convert_topk_to_physical
-from jaxspec.model.attention import AttentionBatch, write_kv_pages
+from jaxspec.model.attention import write_kv_pages
 from jaxspec.model.dsa_config import GlmDsaConfig
 from jaxspec.model.layers import Linear, RMSNorm, rope_inverse_frequencies
+from jaxspec.model.metadata import StepMetadata
 
 # transformers builds the latent RMSNorms and the indexer LayerNorm with eps 1e-6, whatever
 # `rms_norm_eps` says (modeling_glm_moe_dsa.py, GlmMoeDsaRMSNorm default and nn.LayerNorm).
 LATENT_NORM_EPS = 1e-6
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MlaPages:
+  """One MLA layer's paged latent rows, plus its indexer keys on full layers.
+
+  Stored with a single head axis so that the `[H, num_pages, page_size, D]` layout of the GQA
+  cache (page pool, slot mapping, rollback by length) is unchanged.
+  """
+
+  latent: jax.Array  # [1, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]
+  index_keys: jax.Array | None = None  # [1, num_pages, page_size, index_head_dim]; full layers
+
+  @property
+  def num_pages(self) -> int:
+    return self.latent.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.latent.shape[2]
 
 
 @jax.tree_util.register_dataclass
@@ -183,7 +205,9 @@ def selection_mask(topk: jax.Array, num_keys: int) -> jax.Array:
   return jnp.any(topk[..., :, None] == keys, axis=-2)
 
 
-def convert_selection(selection: IndexSelection, block_tables, page_size, impl) -> IndexSelection:
+def convert_selection(
+  selection: IndexSelection, block_tables, page_size: int, impl: str
+) -> IndexSelection:
   """Converts a decode step's logical top-k to physical latent-cache slots (one kernel call).
 
   topk [B, q_len, K] of request b reads block table row b.
@@ -225,23 +249,30 @@ class MlaAttention(nnx.Module):
     )
     self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=bias, dtype=dtype, rngs=rngs)
     self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if indexer else None
+    self.latent_dim = config.latent_dim
+    self.index_head_dim = config.index_head_dim
+
+  def init_pages(self, num_pages: int, page_size: int, dtype) -> MlaPages:
+    latent = jnp.zeros((1, num_pages, page_size, self.latent_dim), dtype)
+    if self.indexer is None:
+      return MlaPages(latent)
+    return MlaPages(latent, jnp.zeros((1, num_pages, page_size, self.index_head_dim), dtype))
 
   def __call__(
     self,
     x,
-    positions,
-    kv_pages=None,
-    batch: AttentionBatch | None = None,
+    pages: MlaPages | None,
+    step: StepMetadata,
     selection: IndexSelection | None = None,
   ):
-    """x: [B, T, H]; positions: int32 [B, T]; kv_pages: (latent [1, P, page, latent_dim],) plus
-    the indexer keys `[1, P, page, index_head_dim]` on full layers, or None; `selection`: the
+    """x: [B, T, H]; pages: this layer's `MlaPages` (None in plain mode); `selection`: the
     group's top-k (shared layers only).
 
-    Returns (out [B, T, H], updated kv_pages or None, the selection this layer used).
+    Returns (out [B, T, H], updated pages or None, the selection this layer used).
     """
     if (self.indexer is None) == (selection is None):
       raise ValueError("a full layer computes its own selection; a shared layer needs one")
+    positions = step.positions
     bsz, num_tokens, _ = x.shape
     q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [B, T, q_lora_rank]
     q = self.q_b_proj(q_resid).reshape(bsz, num_tokens, self.num_heads, -1)
@@ -254,17 +285,19 @@ class MlaAttention(nnx.Module):
     )[:, :, 0]  # [B, T, R]
     index_keys = None if self.indexer is None else self.indexer.keys(x, positions)
 
-    if batch is not None:
+    if step.cached:
       rows = jnp.concatenate([latent, k_rope], axis=-1)[:, :, None]  # [B, T, 1, C + R]
-      new_pages = [write_kv_pages(kv_pages[0], rows, batch.slot_mapping)]
-      if index_keys is not None:
-        new_pages.append(write_kv_pages(kv_pages[1], index_keys[:, :, None], batch.slot_mapping))
-      kv_pages = tuple(new_pages)
+      pages = MlaPages(
+        write_kv_pages(pages.latent, rows, step.slot_mapping),
+        None
+        if index_keys is None
+        else write_kv_pages(pages.index_keys, index_keys[:, :, None], step.slot_mapping),
+      )
 
-    if batch is not None and batch.mode == "decode":
-      out, selection = self._decode(x, q_resid, q_nope, q_rope, kv_pages, batch, selection)
+    if step.mode == "decode":
+      out, selection = self._decode(x, q_resid, q_nope, q_rope, pages, step, selection)
     else:
-      valid_lens = jnp.full((bsz,), num_tokens) if batch is None else batch.seq_lens
+      valid_lens = jnp.full((bsz,), num_tokens) if not step.cached else step.seq_lens
       key_pos = jnp.arange(num_tokens)
       causal = (key_pos[None, :] <= key_pos[:, None])[None] & (
         key_pos[None, None, :] < valid_lens[:, None, None]
@@ -274,7 +307,7 @@ class MlaAttention(nnx.Module):
         selection = IndexSelection(self.indexer.top_k(scores))
       visible = causal & selection_mask(selection.topk, num_tokens)
       out = self._expanded(q_nope, q_rope, latent, k_rope, visible)
-    return self.o_proj(out.reshape(bsz, num_tokens, -1)), kv_pages, selection
+    return self.o_proj(out.reshape(bsz, num_tokens, -1)), pages, selection
 
   def _split_kv_b(self):
     """kv_b_proj as W_UK [C, Hq, nope] and W_UV [C, Hq, v]."""
@@ -291,24 +324,21 @@ class MlaAttention(nnx.Module):
     k = jnp.concatenate([k_nope, k_rope], axis=-1)
     return masked_attention(q, k, v, visible, self.sm_scale)
 
-  def _decode(self, x, q_resid, q_nope, q_rope, kv_pages, batch, selection):
+  def _decode(self, x, q_resid, q_nope, q_rope, pages: MlaPages, step: StepMetadata, selection):
     """Sparse absorbed attention over the latent rows of the selected physical slots."""
     bsz, q_len = x.shape[:2]
-    latent_pages = kv_pages[0]
-    page_size = latent_pages.shape[2]
-    # "xla" attention forces the XLA conversion too; otherwise the op picks its kernel (its
-    # Pallas tile needs K to be a multiple of 512, which "auto" checks and a forced "pallas" not).
-    impl = "xla" if batch.attention_impl == "xla" else "auto"
     if self.indexer is not None:
-      keys = _paged_rows(kv_pages[1], batch.block_tables)  # [B, S_max, Di]
-      visible = jnp.arange(keys.shape[1])[None, None, :] <= batch.positions[:, :, None]
-      visible = visible & (batch.seq_lens > 0)[:, None, None]  # [B, q_len, S_max]
-      scores = self.indexer.scores(x, q_resid, batch.positions, keys, visible)
+      keys = _paged_rows(pages.index_keys, step.block_tables)  # [B, S_max, Di]
+      visible = jnp.arange(keys.shape[1])[None, None, :] <= step.positions[:, :, None]
+      visible = visible & (step.seq_lens > 0)[:, None, None]  # [B, q_len, S_max]
+      scores = self.indexer.scores(x, q_resid, step.positions, keys, visible)
       selection = IndexSelection(self.indexer.top_k(scores))
     if selection.physical is None:
-      selection = convert_selection(selection, batch.block_tables, page_size, impl)
+      selection = convert_selection(
+        selection, step.block_tables, pages.page_size, step.kernels.index_conversion
+      )
     k = selection.topk.shape[-1]
-    flat_pages = latent_pages[0].reshape(-1, latent_pages.shape[-1])  # [P * page, C + R]
+    flat_pages = pages.latent[0].reshape(-1, pages.latent.shape[-1])  # [P * page, C + R]
     rows = flat_pages[jnp.maximum(selection.physical, 0)]  # [B * q_len, K, C + R]
     used = jnp.arange(k)[None, :] < selection.valid_counts[:, None]  # [B * q_len, K]
     # Unselected slots may hold garbage (even NaN): zero them so that p * v stays finite.

@@ -19,21 +19,17 @@ Two implementations of the routed experts compute the same function:
   (`jax.lax.ragged_dot`) per projection: each expert's weights are read once for all its tokens.
 """
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.model.config import GlmConfig
+from jaxspec.model.config import ModelConfig
 from jaxspec.model.layers import SwiGluMlp, _normal
-
-MoeImpl = Literal["per_route", "grouped"]
-MOE_IMPLS = ("per_route", "grouped")
+from jaxspec.model.metadata import MOE_IMPLS, MoeChoice, MoeImpl
 
 
 class Router(nnx.Module):
-  def __init__(self, config: GlmConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
     self.weight = nnx.Param(
       _normal(rngs, (config.n_routed_experts, config.hidden_size), dtype, 0.02)
     )
@@ -69,7 +65,7 @@ class Router(nnx.Module):
 class RoutedExperts(nnx.Module):
   """`n_routed_experts` SwiGLU experts stored stacked: gate/up `[E, H, I]`, down `[E, I, H]`."""
 
-  def __init__(self, config: GlmConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
     e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
     self.gate = nnx.Param(_normal(rngs, (e, h, i), dtype, 0.02))
     self.up = nnx.Param(_normal(rngs, (e, h, i), dtype, 0.02))
@@ -115,7 +111,7 @@ class RoutedExperts(nnx.Module):
 class MoE(nnx.Module):
   """Routed experts plus always-on shared experts (`n_shared_experts` fused into one MLP)."""
 
-  def __init__(self, config: GlmConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
     self.gate = Router(config, dtype=dtype, rngs=rngs)
     self.experts = RoutedExperts(config, dtype=dtype, rngs=rngs)
     self.shared_experts = SwiGluMlp(
@@ -134,7 +130,7 @@ class MoE(nnx.Module):
     return (routed + self.shared_experts(flat)).reshape(shape)
 
 
-def choose_moe_impl(num_tokens: int, config: GlmConfig) -> MoeImpl:
+def choose_moe_impl(num_tokens: int, config: ModelConfig) -> MoeImpl:
   """Picks the routed-expert implementation from the token count of a step (a Python int).
 
   `per_route` streams `num_tokens * k` expert matrices, `grouped` streams the experts its tokens
@@ -149,3 +145,8 @@ def choose_moe_impl(num_tokens: int, config: GlmConfig) -> MoeImpl:
     raise ValueError(f"num_tokens must be positive, got {num_tokens}")
   routes = num_tokens * config.num_experts_per_tok
   return "per_route" if 4 * routes < config.n_routed_experts else "grouped"
+
+
+def resolve_moe_impl(choice: MoeChoice, num_tokens: int, config: ModelConfig) -> MoeImpl:
+  """`choice` itself, or for "auto" the policy's pick for `num_tokens` rows (`choose_moe_impl`)."""
+  return choose_moe_impl(num_tokens, config) if choice == "auto" else choice

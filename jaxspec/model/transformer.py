@@ -1,23 +1,42 @@
-"""The GLM-4.5 decoder (`GlmForCausalLM`) and the layout of its MTP layer, as Flax NNX modules.
+"""The GLM decoder of both families, `GlmForCausalLM`, and its MTP layer, as Flax NNX modules.
 
-Mirrors transformers' `Glm4MoeForCausalLM`: embeddings, `num_hidden_layers` pre-norm decoder layers
-(dense SwiGLU MLP for the first `first_k_dense_replace`, MoE after), a final RMSNorm, the lm head.
-The multi-token-prediction layer that GLM checkpoints store as `model.layers.{num_hidden_layers}`
-lives in `GlmForCausalLM.mtp` (DeepSeek-V3 MTP module, arXiv:2412.19437 section 2.2).
+Mirrors transformers' `Glm4MoeForCausalLM` (GLM-4.5) and `GlmMoeDsaForCausalLM` (GLM-5): token
+embeddings, `num_hidden_layers` pre-norm decoder layers (dense SwiGLU MLP where
+`config.is_moe_layer` says so, MoE after), a final RMSNorm, the lm head. The attention of every
+layer comes from the config's family (`config.attention_kind`): GQA for GLM-4.5, MLA with the DSA
+indexer for GLM-5. The multi-token-prediction layer that GLM checkpoints store as
+`model.layers.{num_hidden_layers}` lives in `GlmForCausalLM.mtp` (DeepSeek-V3 MTP module,
+arXiv:2412.19437 section 2.2).
+
+Index groups (GLM-5): the forward pass hands each full layer's `IndexSelection` to the shared
+layers that follow it. In decode steps the full layer converts its top-k to physical cache slots
+once and the shared layers reuse them (`KernelChoices.index_sharing="per_group"`).
+
+The model owns its cache (`init_cache`) and reads everything about a step from its
+`StepMetadata`: `forward(input_ids, step, cache)` and `mtp_forward(...)` return the hidden states
+and the cache with their own layers' pages replaced.
 """
-
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.model.attention import AttentionBatch, GqaAttention
-from jaxspec.model.config import GlmConfig
+from jaxspec.model.attention import Attention, GqaAttention
+from jaxspec.model.cache import ModelCache
+from jaxspec.model.config import ModelConfig
 from jaxspec.model.layers import Embedding, Linear, RMSNorm, SwiGluMlp
-from jaxspec.model.moe import MoE, MoeImpl
+from jaxspec.model.metadata import DEFAULT_KERNELS, KernelChoices, StepMetadata
+from jaxspec.model.mla import MlaAttention
+from jaxspec.model.moe import MoE, MoeImpl, resolve_moe_impl
 
-KVPages = tuple[jax.Array, jax.Array]  # (k, v), each [Hkv, num_pages, page_size, D]
+
+def make_attention(config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> Attention:
+  """The attention module of layer `layer` (`num_hidden_layers` = the MTP block)."""
+  if config.attention_kind == "gqa":
+    return GqaAttention(config, dtype=dtype, rngs=rngs)
+  if config.attention_kind == "mla":
+    return MlaAttention(config, indexer=config.has_indexer(layer), dtype=dtype, rngs=rngs)
+  raise ValueError(f"unknown attention kind {config.attention_kind!r}")
 
 
 class DecoderLayer(nnx.Module):
@@ -27,44 +46,39 @@ class DecoderLayer(nnx.Module):
   (row pruning: attention needs every row, the MLP only the rows that produce a token).
   """
 
-  def __init__(self, config: GlmConfig, *, moe: bool, dtype, rngs: nnx.Rngs):
-    self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-    self.self_attn = GqaAttention(config, dtype=dtype, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(
-      config.hidden_size, eps=config.rms_norm_eps, dtype=dtype
-    )
-    if moe:
+  def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    eps = config.rms_norm_eps
+    self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
+    self.self_attn = make_attention(config, layer, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
+    if config.is_moe_layer(layer):
       self.mlp = MoE(config, dtype=dtype, rngs=rngs)
     else:
       self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
 
-  def attend(self, x, positions, kv_pages=None, batch=None):
-    """x: [B, T, H] -> (x + attention, kv_pages)."""
-    attn_out, kv_pages = self.self_attn(self.input_layernorm(x), positions, kv_pages, batch)
-    return x + attn_out, kv_pages
+  def init_pages(self, num_pages: int, page_size: int, dtype):
+    return self.self_attn.init_pages(num_pages, page_size, dtype)
 
-  def feed_forward(self, h, *, moe_impl: MoeImpl):
-    """h: [..., H] -> h + mlp(norm(h))."""
+  def attend(self, x, pages, step: StepMetadata, selection=None):
+    """x: [B, T, H] -> (x + attention, updated pages, the index selection used)."""
+    out, pages, selection = self.self_attn(self.input_layernorm(x), pages, step, selection)
+    return x + out, pages, selection
+
+  def feed_forward(self, h, moe_impl: MoeImpl):
+    """h: [..., H] -> h + mlp(norm(h)); `moe_impl` is already decided (never "auto")."""
     normed = self.post_attention_layernorm(h)
     if isinstance(self.mlp, MoE):
       return h + self.mlp(normed, moe_impl=moe_impl)
     return h + self.mlp(normed)
 
-  def __call__(self, x, positions, kv_pages=None, batch=None, *, moe_impl: MoeImpl):
-    h, kv_pages = self.attend(x, positions, kv_pages, batch)
-    return self.feed_forward(h, moe_impl=moe_impl), kv_pages
-
 
 class GlmModel(nnx.Module):
-  """Embeddings, decoder layers and final norm (transformers' `Glm4MoeModel`)."""
+  """Embeddings, decoder layers and final norm (transformers' `Glm4MoeModel` / `GlmMoeDsaModel`)."""
 
-  def __init__(self, config: GlmConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
     self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
     self.layers = nnx.List(
-      [
-        DecoderLayer(config, moe=config.is_moe_layer(i), dtype=dtype, rngs=rngs)
-        for i in range(config.num_hidden_layers)
-      ]
+      [DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)]
     )
     self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
@@ -72,18 +86,16 @@ class GlmModel(nnx.Module):
 class MtpLayer(nnx.Module):
   """GLM's multi-token-prediction layer (checkpoint prefix `model.layers.{num_hidden_layers}`).
 
-  `h = eh_proj(concat(enorm(embed(next_token)), hnorm(target_hidden)))`, one full decoder layer,
-  then `shared_head.norm` and the target's lm head. Embedding and lm head are shared with the
-  target unless the checkpoint carries its own `embed_tokens` / `shared_head.head`.
-  `make_layer` builds the decoder block (GQA for GLM-4.5, MLA + indexer for GLM-5); GLM's MTP
-  block always uses the MoE MLP, whatever `first_k_dense_replace` says.
+  `h = eh_proj(concat(enorm(embed(next_token)), hnorm(target_hidden)))`, one full decoder layer
+  (always MoE; on GLM-5 a full indexer layer of its own), then `shared_head.norm` and the
+  target's lm head. Embedding and lm head are shared with the target unless the checkpoint
+  carries its own `embed_tokens` / `shared_head.head`.
   """
 
   def __init__(
     self,
-    config,
+    config: ModelConfig,
     *,
-    make_layer: Callable[[], nnx.Module],
     dtype,
     rngs: nnx.Rngs,
     own_embedding: bool = False,
@@ -99,30 +111,32 @@ class MtpLayer(nnx.Module):
     self.enorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
     self.hnorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
     self.eh_proj = Linear(2 * h, h, bias=False, dtype=dtype, rngs=rngs)
-    self.layer = make_layer()
+    self.layer = DecoderLayer(config, config.num_hidden_layers, dtype=dtype, rngs=rngs)
     self.shared_head_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
 
 
 class GlmForCausalLM(nnx.Module):
-  """GLM-4.5-family causal LM; `model(input_ids)` is the plain causal forward `[B, T] -> [B, T, V]`.
+  """GLM causal LM of either family; `model(input_ids)` is the plain causal forward.
 
-  Serving code calls `forward` with a paged cache (see `jaxspec.serving`) and `logits` on the rows
-  it needs.
+  Serving code builds the cache with `init_cache`, runs `forward` / `mtp_forward` with a
+  `StepMetadata` per step, and `logits` / `mtp_logits` on the rows it needs.
   """
 
   def __init__(
     self,
-    config: GlmConfig,
+    config: ModelConfig,
     *,
     dtype=jnp.float32,
     rngs: nnx.Rngs | None = None,
     mtp_own_embedding: bool = False,
     mtp_own_head: bool = False,
   ):
+    if not isinstance(config, ModelConfig):
+      raise TypeError(f"config must be a jaxspec ModelConfig, got {type(config).__name__}")
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     self.config = config
     self.dtype = dtype
-    self.model = self._make_trunk(config, dtype, rngs)
+    self.model = GlmModel(config, dtype=dtype, rngs=rngs)
     if config.tie_word_embeddings:
       self.lm_head = None
     else:
@@ -132,7 +146,6 @@ class GlmForCausalLM(nnx.Module):
     self.mtp = (
       MtpLayer(
         config,
-        make_layer=lambda: self._make_mtp_block(config, dtype, rngs),
         dtype=dtype,
         rngs=rngs,
         own_embedding=mtp_own_embedding,
@@ -142,44 +155,66 @@ class GlmForCausalLM(nnx.Module):
       else None
     )
 
-  def _make_trunk(self, config, dtype, rngs) -> nnx.Module:
-    """Embeddings, decoder layers and final norm (subclasses swap in another architecture)."""
-    return GlmModel(config, dtype=dtype, rngs=rngs)
+  # ------------------------------------------------------------------------------------------------
+  # The cache.
 
-  def _make_mtp_block(self, config, dtype, rngs) -> nnx.Module:
-    """The MTP layer's decoder block: always the MoE MLP, whatever `first_k_dense_replace` says."""
-    return DecoderLayer(config, moe=True, dtype=dtype, rngs=rngs)
+  def init_cache(
+    self, num_pages: int, page_size: int, *, dtype=None, draft: bool = False
+  ) -> ModelCache:
+    """Zeroed pages for every decoder layer (and the MTP layer with `draft=True`).
 
-  def __call__(self, input_ids: jax.Array, *, moe_impl: MoeImpl = "grouped") -> jax.Array:
-    """input_ids: int [B, T] -> float32 logits [B, T, V] (causal, positions 0..T-1)."""
+    `dtype` defaults to the model's parameter dtype.
+    """
+    for name, value in (("num_pages", num_pages), ("page_size", page_size)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if draft and self.mtp is None:
+      raise ValueError("draft=True needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
+    dtype = self.dtype if dtype is None else dtype
+    layers = tuple(layer.init_pages(num_pages, page_size, dtype) for layer in self.model.layers)
+    draft_pages = self.mtp.layer.init_pages(num_pages, page_size, dtype) if draft else None
+    return ModelCache(layers, draft_pages)
+
+  # ------------------------------------------------------------------------------------------------
+  # The target.
+
+  def __call__(
+    self, input_ids: jax.Array, *, kernels: KernelChoices = DEFAULT_KERNELS
+  ) -> jax.Array:
+    """input_ids: int [B, T] -> float32 logits [B, T, V] (causal, positions 0..T-1).
+
+    Token ids are a device-value contract: every id must be in `[0, vocab_size)` (checked when
+    the ids are concrete; see `jaxspec.contracts`).
+    """
     if input_ids.ndim != 2:
       raise ValueError(f"input_ids must be [B, T], got shape {input_ids.shape}")
-    positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
-    hidden, _ = self.forward(input_ids, positions, moe_impl=moe_impl)
+    hidden, _ = self.forward(input_ids, StepMetadata.plain(input_ids, kernels))
     return self.logits(hidden)
 
-  def forward(
-    self,
-    input_ids,
-    positions,
-    kv_pages=None,
-    batch: AttentionBatch | None = None,
-    *,
-    moe_impl: MoeImpl,
-  ):
-    """Runs the decoder stack.
+  def forward(self, input_ids: jax.Array, step: StepMetadata, cache: ModelCache | None = None):
+    """Runs the decoder stack over `input_ids` int32 [B, T] as `step` describes.
 
-    input_ids, positions: int32 [B, T]; kv_pages: per-layer (k, v) tuple or None.
-    Returns (hidden states after the final norm [B, T, H], updated kv_pages or None).
+    Returns (hidden states after the final norm [B, T, H], `cache` with the target's layers
+    replaced, or None in plain mode).
     """
+    _check_step(step, cache, input_ids.shape)
+    moe_impl = resolve_moe_impl(step.kernels.moe, input_ids.size, self.config)
     x = self.model.embed_tokens(input_ids)
-    new_pages = []
+    new_layers = []
+    selection = None
     for i, layer in enumerate(self.model.layers):
-      layer_pages = None if kv_pages is None else kv_pages[i]
-      x, layer_pages = layer(x, positions, layer_pages, batch, moe_impl=moe_impl)
-      new_pages.append(layer_pages)
+      pages = cache.layers[i] if step.cached else None
+      shared = selection if self.config.reuses_index(i) else None
+      if shared is not None and step.kernels.index_sharing == "per_layer":
+        # The barrier gives this layer's conversion inputs of its own: XLA would otherwise merge
+        # the identical conversions of a group (common-subexpression elimination) and quietly run
+        # the per-layer baseline as per_group.
+        shared, x = jax.lax.optimization_barrier((shared.logical_only(), x))
+      x, pages, selection = layer.attend(x, pages, step, shared)
+      x = layer.feed_forward(x, moe_impl)
+      new_layers.append(pages)
     hidden = self.model.norm(x)
-    return hidden, (None if kv_pages is None else tuple(new_pages))
+    return hidden, (cache.replace(layers=tuple(new_layers)) if step.cached else None)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden: [..., H] -> float32 logits [..., V] through the lm head (or tied embeddings)."""
@@ -195,34 +230,42 @@ class GlmForCausalLM(nnx.Module):
     self,
     next_ids: jax.Array,  # int32 [B, T]: token at position t + 1 for row t
     previous_hidden: jax.Array,  # [B, T, H]: hidden state of position t
-    positions: jax.Array,  # int32 [B, T]: RoPE position of each row (t + 1)
-    kv_pages: KVPages | None = None,
-    batch: AttentionBatch | None = None,
+    step: StepMetadata,  # positions: t, the position of the hidden state each row consumes
+    cache: ModelCache | None = None,
     *,
-    moe_impl: MoeImpl,
     last_token_indices: jax.Array | None = None,  # int32 [R]: flat rows (b * T + t) to keep
   ):
     """Runs the MTP layer: `eh_proj([enorm(embed(next)), hnorm(hidden)])`, one decoder layer.
 
+    Row t consumes the target's hidden state of position t (after its final norm) and the token
+    of position t + 1, at RoPE position t + 1; its cache slot is t's (`step.slot_mapping`), so
+    the MTP cache's valid length equals the target's. The embedding comes first in the
+    concatenation (transformers' `MtpLayer`, vLLM's `glm4_moe_mtp`).
+
     Attention (and its KV writes) runs on every row. With `last_token_indices`, the rows are
     gathered right after attention, so the post-attention norm and MoE run on `R` rows only
-    (row pruning, as vLLM's GLM MTP draft step); `moe_impl` is decided by the caller from the
-    unpruned token count. Returns (hidden [B, T, H] or [R, H] *before* `shared_head.norm`, which
-    is what the next draft step consumes, and kv_pages). `mtp_logits` applies the norm and head.
-
-    The hidden state of position t is the target's output after its final norm; the embedding
-    comes first in the concatenation (transformers' `MtpLayer`, vLLM's `glm4_moe_mtp`).
+    (row pruning, as vLLM's GLM MTP draft step); the MoE implementation is decided from the
+    unpruned row count `B * T` (or taken from `step.kernels.moe`). Returns (hidden [B, T, H] or
+    [R, H] *before* `shared_head.norm`, which is what the next draft step consumes, and `cache`
+    with the draft pages replaced, or None in plain mode). `mtp_logits` applies the norm and head.
     """
     if self.mtp is None:
       raise ValueError("this model has no MTP layer (num_nextn_predict_layers = 0)")
+    _check_step(step, cache, next_ids.shape)
+    # Decided from the rows before pruning, so pruned and unpruned passes run the same MoE.
+    moe_impl = resolve_moe_impl(step.kernels.moe, next_ids.size, self.config)
+    if step.cached and cache.draft is None:
+      raise ValueError("the cache has no draft pages: build it with init_cache(..., draft=True)")
     mtp = self.mtp
     embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.model.embed_tokens
     x = jnp.concatenate([mtp.enorm(embed(next_ids)), mtp.hnorm(previous_hidden)], axis=-1)
-    x = mtp.eh_proj(x)
-    h, kv_pages = mtp.layer.attend(x, positions, kv_pages, batch)
+    shifted = step.replace(positions=step.positions + 1)
+    pages = cache.draft if step.cached else None
+    h, pages, _ = mtp.layer.attend(mtp.eh_proj(x), pages, shifted)
     if last_token_indices is not None:
       h = jnp.take(h.reshape(-1, h.shape[-1]), last_token_indices, axis=0)  # [R, H]
-    return mtp.layer.feed_forward(h, moe_impl=moe_impl), kv_pages
+    hidden = mtp.layer.feed_forward(h, moe_impl)
+    return hidden, (cache.replace(draft=pages) if step.cached else None)
 
   def mtp_logits(self, mtp_hidden: jax.Array) -> jax.Array:
     """`shared_head.norm` then the lm head (the MTP's own copy when the checkpoint has one)."""
@@ -231,3 +274,20 @@ class GlmForCausalLM(nnx.Module):
       kernel = self.mtp.shared_head_head.kernel[...]
       return jnp.dot(normed.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
     return self.logits(normed)
+
+
+# GLM-5 checkpoints build the same class (the attention follows the config); the name stays for
+# code written against the earlier per-family classes.
+GlmDsaForCausalLM = GlmForCausalLM
+
+
+def _check_step(step: StepMetadata, cache: ModelCache | None, ids_shape) -> None:
+  """Host-side consistency of a step's arguments (shapes are static even under jit)."""
+  if not isinstance(step, StepMetadata):
+    raise TypeError(f"step must be a StepMetadata, got {type(step).__name__}")
+  if step.positions.shape != tuple(ids_shape):
+    raise ValueError(
+      f"step.positions must be [B, T] = {tuple(ids_shape)}, got {step.positions.shape}"
+    )
+  if step.cached and cache is None:
+    raise ValueError(f"a {step.mode!r} step needs a cache (model.init_cache)")

@@ -20,10 +20,7 @@ import safetensors.flax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxspec.model.config import GlmConfig
-from jaxspec.model.dsa_config import MODEL_TYPE as DSA_MODEL_TYPE
-from jaxspec.model.dsa_config import GlmDsaConfig
-from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
+from jaxspec.model.config import ModelConfig, read_config
 from jaxspec.model.transformer import GlmForCausalLM
 
 # Tensors a checkpoint may carry that the model does not use (RoPE caches some exporters write).
@@ -43,10 +40,8 @@ class _Entry:
   layout: str
 
 
-def _decoder_layer_entries(
-  config: GlmConfig | GlmDsaConfig, hf_prefix: str, path: tuple, moe: bool, layer: int | None
-):
-  """Entries of decoder layer `layer` (None: the MTP layer's block)."""
+def _decoder_layer_entries(config: ModelConfig, hf_prefix: str, path: tuple, layer: int):
+  """Entries of decoder layer `layer` (`num_hidden_layers`: the MTP layer's block)."""
 
   def linear(name, sub):
     return _Entry(path + sub + ("kernel",), (f"{hf_prefix}.{name}.weight",), "transpose")
@@ -56,16 +51,12 @@ def _decoder_layer_entries(
 
   yield vector("input_layernorm.weight", ("input_layernorm", "weight"))
   yield vector("post_attention_layernorm.weight", ("post_attention_layernorm", "weight"))
-  if isinstance(config, GlmDsaConfig):
-    # The MTP block always runs its own indexer.
-    indexer = layer is None or config.has_indexer(layer)
-    yield from _mla_entries(config, linear, vector, indexer)
-  else:
-    yield from _gqa_entries(config, linear, vector)
-  yield from _mlp_entries(config, hf_prefix, path, linear, vector, moe)
+  yield from _ATTENTION_ENTRIES[config.attention_kind](config, linear, vector, layer)
+  yield from _mlp_entries(config, hf_prefix, path, linear, vector, config.is_moe_layer(layer))
 
 
-def _gqa_entries(config: GlmConfig, linear, vector):
+def _gqa_entries(config, linear, vector, layer: int):
+  del layer  # every GQA layer has the same tensors
   for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
     yield linear(f"self_attn.{proj}", ("self_attn", proj))
   if config.attention_bias:
@@ -76,7 +67,7 @@ def _gqa_entries(config: GlmConfig, linear, vector):
     yield vector("self_attn.k_norm.weight", ("self_attn", "k_norm", "weight"))
 
 
-def _mla_entries(config: GlmDsaConfig, linear, vector, indexer: bool):
+def _mla_entries(config, linear, vector, layer: int):
   projections = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
   for proj in projections:
     yield linear(f"self_attn.{proj}", ("self_attn", proj))
@@ -85,11 +76,14 @@ def _mla_entries(config: GlmDsaConfig, linear, vector, indexer: bool):
       yield vector(f"self_attn.{proj}.bias", ("self_attn", proj, "bias"))
   for norm in ("q_a_layernorm", "kv_a_layernorm"):
     yield vector(f"self_attn.{norm}.weight", ("self_attn", norm, "weight"))
-  if indexer:
+  if config.has_indexer(layer):
     for proj in ("wq_b", "wk", "weights_proj"):
       yield linear(f"self_attn.indexer.{proj}", ("self_attn", "indexer", proj))
     for name in ("weight", "bias"):
       yield vector(f"self_attn.indexer.k_norm.{name}", ("self_attn", "indexer", "k_norm", name))
+
+
+_ATTENTION_ENTRIES = {"gqa": _gqa_entries, "mla": _mla_entries}
 
 
 def _mlp_entries(config, hf_prefix: str, path: tuple, linear, vector, moe: bool):
@@ -108,16 +102,14 @@ def _mlp_entries(config, hf_prefix: str, path: tuple, linear, vector, moe: bool)
     yield linear(f"mlp.shared_experts.{proj}", ("mlp", "shared_experts", proj))
 
 
-def _entries(config: GlmConfig, mtp_own_embedding: bool, mtp_own_head: bool) -> Iterator[_Entry]:
+def _entries(config: ModelConfig, mtp_own_embedding: bool, mtp_own_head: bool) -> Iterator[_Entry]:
   yield _Entry(("model", "embed_tokens", "embedding"), ("model.embed_tokens.weight",), "copy")
   yield _Entry(("model", "norm", "weight"), ("model.norm.weight",), "copy")
   if not config.tie_word_embeddings:
     yield _Entry(("lm_head", "kernel"), ("lm_head.weight",), "transpose")
   for i in range(config.num_hidden_layers):
     prefix = f"model.layers.{i}"
-    yield from _decoder_layer_entries(
-      config, prefix, ("model", "layers", i), config.is_moe_layer(i), i
-    )
+    yield from _decoder_layer_entries(config, prefix, ("model", "layers", i), i)
   if config.num_nextn_predict_layers:
     n = config.num_hidden_layers
     prefix = f"model.layers.{n}"
@@ -133,7 +125,7 @@ def _entries(config: GlmConfig, mtp_own_embedding: bool, mtp_own_head: bool) -> 
       yield _Entry(
         ("mtp", "shared_head_head", "kernel"), (f"{prefix}.shared_head.head.weight",), "transpose"
       )
-    yield from _decoder_layer_entries(config, prefix, ("mtp", "layer"), moe=True, layer=None)
+    yield from _decoder_layer_entries(config, prefix, ("mtp", "layer"), n)
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
@@ -157,15 +149,6 @@ def _read_tensors(files: list[Path]) -> dict[str, jax.Array]:
   return tensors
 
 
-def read_config(path: str | os.PathLike) -> GlmConfig | GlmDsaConfig:
-  """Parses a checkpoint's `config.json`: `GlmDsaConfig` for `glm_moe_dsa`, else `GlmConfig`."""
-  with open(path) as f:
-    raw = json.load(f)
-  if raw.get("model_type") == DSA_MODEL_TYPE:
-    return GlmDsaConfig.from_hf_dict(raw)
-  return GlmConfig.from_hf_dict(raw)
-
-
 def _keeps_float32(path: tuple) -> bool:
   """Parameters transformers keeps in float32 whatever the model dtype: the router's correction
   bias (`_keep_in_fp32_modules_strict`) and the DSA indexer's `weights_proj`."""
@@ -173,21 +156,20 @@ def _keeps_float32(path: tuple) -> bool:
 
 
 def load_pretrained(
-  path: str | os.PathLike, dtype=jnp.bfloat16, *, config: GlmConfig | GlmDsaConfig | None = None
+  path: str | os.PathLike, dtype=jnp.bfloat16, *, config: ModelConfig | None = None
 ) -> GlmForCausalLM:
   """Loads a Hugging Face GLM checkpoint directory into a `GlmForCausalLM`.
 
-  The config's `model_type` picks the family: `glm4_moe` (GLM-4.5) gives a `GlmForCausalLM`,
-  `glm_moe_dsa` (GLM-5) a `GlmDsaForCausalLM`. Reads `config.json` and every `*.safetensors`
-  shard (through `model.safetensors.index.json` when present). Parameters are cast to `dtype`,
-  except those transformers keeps in float32 (`_keeps_float32`). A missing, unexpected or
-  mis-shaped tensor is a `ValueError` naming it.
+  The config's `model_type` picks the family (`jaxspec.model.config.FAMILIES`: `glm4_moe` for
+  GLM-4.5, `glm_moe_dsa` for GLM-5), whose attention the model builds. Reads `config.json` and
+  every `*.safetensors` shard (through `model.safetensors.index.json` when present). Parameters
+  are cast to `dtype`, except those transformers keeps in float32 (`_keeps_float32`). A missing,
+  unexpected or mis-shaped tensor is a `ValueError` naming it.
   """
   path = Path(path)
   if not path.is_dir():
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
   config = config or read_config(path / "config.json")
-  model_class = GlmDsaForCausalLM if isinstance(config, GlmDsaConfig) else GlmForCausalLM
   tensors = _read_tensors(_checkpoint_files(path))
   mtp_prefix = f"model.layers.{config.num_hidden_layers}"
   own_embedding = f"{mtp_prefix}.embed_tokens.weight" in tensors
@@ -197,7 +179,7 @@ def load_pretrained(
     config = config.replace(num_nextn_predict_layers=0)
 
   def build():
-    return model_class(
+    return GlmForCausalLM(
       config, dtype=dtype, rngs=nnx.Rngs(0), mtp_own_embedding=own_embedding, mtp_own_head=own_head
     )
 

@@ -34,11 +34,13 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxspec.model.config import GlmConfig
+from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import save_pretrained
 from jaxspec.training import bpe, corpus
 
-MOE_IMPL = "grouped"  # training runs every token through the experts: one grouped GEMM each
+# Training runs every token through the experts: one grouped GEMM each.
+KERNELS = KernelChoices(moe="grouped")
 
 
 def default_model_config(vocab_size: int) -> GlmConfig:
@@ -196,14 +198,14 @@ def _joint_logits(model: GlmForCausalLM, windows: jax.Array, depth: int):
   """
   seq_len = windows.shape[1] - 1 - depth
   inputs = windows[:, :seq_len]  # [B, T]
-  positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), inputs.shape)
-  hidden, _ = model.forward(inputs, positions, moe_impl=MOE_IMPL)  # [B, T, H]
+  step = StepMetadata.plain(inputs, KERNELS)
+  hidden, _ = model.forward(inputs, step)  # [B, T, H]
   mtp_logits = []
   previous = hidden
   for d in range(1, depth + 1):
-    previous, _ = model.mtp_forward(
-      windows[:, d : seq_len + d], previous, positions + d, moe_impl=MOE_IMPL
-    )
+    # Depth d consumes the state of position t + d - 1 (its RoPE position is t + d).
+    shifted = step.replace(positions=step.positions + d - 1)
+    previous, _ = model.mtp_forward(windows[:, d : seq_len + d], previous, shifted)
     mtp_logits.append(model.mtp_logits(previous))
   return model.logits(hidden), mtp_logits
 
