@@ -32,11 +32,11 @@ from flax import nnx
 
 from benchmarks._timing import time_jax, time_stateful
 from jaxspec.model.config import glm45_air, tiny
-from jaxspec.model.moe import choose_moe_impl
+from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
-from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache
+from jaxspec.serving.kv_cache import BlockAllocator
 from jaxspec.serving.sampling import GREEDY
-from jaxspec.serving.spec_steps import draft_step, verify_step
+from jaxspec.serving.spec_steps import DraftInputs, draft_step, verify_step
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -45,10 +45,13 @@ def _model(config, seed):
   return GlmForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
 
 
-def _random_cache(config, num_layers, num_pages, page_size, key):
-  cache = PagedKVCache.create(config, num_layers, num_pages, page_size, jnp.bfloat16)
-  keys = iter(jax.random.split(key, 2 * num_layers))
-  return jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), cache)
+def _random_cache(model, num_pages, page_size, key):
+  """The model's cache (target and MTP layers) filled with random values, never zeros."""
+  cache = jax.eval_shape(lambda: model.init_cache(num_pages, page_size, draft=True))
+  leaves, treedef = jax.tree.flatten(cache)
+  keys = jax.random.split(key, len(leaves))
+  arrays = [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+  return jax.tree.unflatten(treedef, arrays)
 
 
 def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=True):
@@ -62,17 +65,15 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
     [allocator.allocate(pages_per_request) for _ in range(batch)], jnp.int32
   )
   rng = np.random.default_rng(batch)
-  cache = _random_cache(
-    config, config.num_hidden_layers + 1, allocator.num_pages, page_size, jax.random.key(batch)
-  )
+  cache = _random_cache(model, allocator.num_pages, page_size, jax.random.key(batch))
   committed = jnp.full((batch,), context, jnp.int32)
   num_accepted = jnp.asarray(rng.integers(0, k + 1, batch), jnp.int32)
   emitted = jnp.asarray(rng.integers(0, config.vocab_size, (batch, q_len)), jnp.int32)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, q_len)), jnp.int32)
   hidden = jax.random.normal(jax.random.key(7), (batch, q_len, config.hidden_size), jnp.bfloat16)
   key = jax.random.key(0)
-  statics = dict(sampling=GREEDY, attention_impl="auto")
-  verify_moe = choose_moe_impl(batch * q_len, config)
+  # The MoE implementation is the model's choice from each pass's unpruned row count.
+  statics = dict(sampling=GREEDY, kernels=KernelChoices())
   times = {}
 
   def verify(cache):
@@ -85,7 +86,6 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
       block_tables,
       None,
       key,
-      moe_impl=verify_moe,
       **statics,
     )
     return cache
@@ -96,21 +96,13 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
   for prune in (True, False):
     tag = "pruned" if prune else "unpruned"
     for num_draft, name in ((1, "draft_first_step"), (k, "draft_all")):
+      inputs = DraftInputs(
+        hidden, emitted, num_accepted, committed + 1 + num_accepted, block_tables
+      )
 
-      def draft(cache, num_draft=num_draft, prune=prune):
+      def draft(cache, num_draft=num_draft, prune=prune, inputs=inputs):
         *_, cache = draft_step(
-          graphdef,
-          params,
-          cache,
-          hidden,
-          emitted,
-          num_accepted,
-          committed + 1 + num_accepted,
-          block_tables,
-          key,
-          num_draft=num_draft,
-          prune=prune,
-          **statics,
+          graphdef, params, cache, inputs, key, num_draft=num_draft, prune=prune, **statics
         )
         return cache
 
@@ -126,22 +118,11 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
         block_tables,
         None,
         key,
-        moe_impl=verify_moe,
         **statics,
       )
+      inputs = DraftInputs(target_hidden, out, accepted, committed + 1 + accepted, block_tables)
       *_, cache = draft_step(
-        graphdef,
-        params,
-        cache,
-        target_hidden,
-        out,
-        accepted,
-        committed + 1 + accepted,
-        block_tables,
-        key,
-        num_draft=k,
-        prune=prune,
-        **statics,
+        graphdef, params, cache, inputs, key, num_draft=k, prune=prune, **statics
       )
       return cache
 

@@ -5,7 +5,7 @@ GLM-5.3 runs the DSA indexer in 21 of its 78 layers ("full" layers; index_topk_f
 physical cache slots (`convert_topk_to_physical`) can run once per group (21 launches) or once
 per layer (78), which is what vLLM changed (3.5-3.9x less conversion time there).
 
-Side by side in one process: the decode step with `index_conversion="per_group"` and
+Side by side in one process: the decode step with `index_sharing="per_group"` and
 `"per_layer"`, the same weights (same seed) and one cache of random bf16 rows that every step
 updates in place (the cache is donated and threaded from step to step). The layer stack is
 GLM-5.3's (78 layers, its grouping, top-k 2048, block 64) at a small hidden size, so the step is
@@ -50,9 +50,9 @@ from jaxspec.jaxpr_utils import count_calls
 from jaxspec.kernels.sparse_index import api as sparse_index_api
 from jaxspec.kernels.sparse_index.mosaic_gpu import KERNEL_NAME
 from jaxspec.model.dsa_config import glm53_small
-from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
+from jaxspec.model.metadata import KernelChoices
+from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.kv_cache import BlockAllocator
-from jaxspec.serving.latent_cache import create_latent_cache
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.steps import decode_step
 
@@ -62,9 +62,9 @@ MODES = ("per_group", "per_layer")
 PAGE_SIZE = 64
 
 
-def random_cache(config, num_pages):
-  """Latent cache of all layers with random bf16 rows (never zeros)."""
-  cache = create_latent_cache(config, config.num_hidden_layers, num_pages, PAGE_SIZE, jnp.bfloat16)
+def random_cache(model, num_pages):
+  """Latent cache of all target layers with random bf16 rows (never zeros)."""
+  cache = jax.eval_shape(lambda: model.init_cache(num_pages, PAGE_SIZE, dtype=jnp.bfloat16))
   keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(cache))))
   return jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), cache)
 
@@ -81,7 +81,9 @@ def compile_steps(config, batches, context, impl, progress):
   block_tables = jnp.asarray(
     [allocator.allocate(pages_per_request) for _ in range(max(batches))], jnp.int32
   )  # [max batch, pages_per_request]
-  cache = random_cache(config, allocator.num_pages)
+  model = GlmForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  cache = random_cache(model, allocator.num_pages)
   rng = np.random.default_rng(0)
   inputs = {
     batch: (
@@ -92,13 +94,15 @@ def compile_steps(config, batches, context, impl, progress):
     )
     for batch in batches
   }
-  statics = dict(sampling=GREEDY, moe_impl="per_route", attention_impl=impl)
-  lowered, conversions, params_of = {}, {}, {}
+  lowered, conversions = {}, {}
   for mode in MODES:
-    model = GlmDsaForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), index_conversion=mode)
-    graphdef, params_of[mode] = nnx.split(model)
+    kernels = KernelChoices(
+      attention=impl, index_conversion=impl, index_sharing=mode, moe="per_route"
+    )
     for batch in batches:
-      traced = decode_step.trace(graphdef, params_of[mode], cache, *inputs[batch], **statics)
+      traced = decode_step.trace(
+        graphdef, params, cache, *inputs[batch], sampling=GREEDY, kernels=kernels
+      )
       conversions[mode, batch] = count_calls(traced.jaxpr, CONVERSION)
       lowered[mode, batch] = traced.lower()
       progress(f"traced {mode} batch {batch}: {conversions[mode, batch]} conversions")
@@ -107,7 +111,7 @@ def compile_steps(config, batches, context, impl, progress):
     futures = {pool.submit(program.compile): key for key, program in lowered.items()}
     for future in as_completed(futures):
       mode, batch = futures[future]
-      steps[mode, batch] = (future.result(), params_of[mode], inputs[batch])
+      steps[mode, batch] = (future.result(), params, inputs[batch])
       progress(f"compiled {mode} batch {batch}")
   return steps, conversions, cache
 

@@ -87,11 +87,7 @@ def _run(model, prompt_ids, args, spec_tokens: int) -> dict:
     seed=args.seed,
     progress=not args.json,
   )
-  metrics = dict(out.metrics)
-  if not spec_tokens:
-    # Plain decoding proposes no drafts: one token per target step.
-    metrics.update(acceptance_rate=None, per_position_acceptance=[], mean_accepted_length=1.0)
-  return {"tokens": out.tokens[0], **metrics}
+  return {"tokens": out.tokens[0], **out.metrics.as_dict()}
 
 
 def generate(args) -> dict:

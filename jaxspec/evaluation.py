@@ -73,10 +73,10 @@ def evaluate(
       {
         "temperature": temperature,
         "k": k,
-        "acceptance_rate": metrics["acceptance_rate"],
-        "per_position_acceptance": metrics["per_position_acceptance"],
-        "tokens_per_verify_step": metrics["mean_accepted_length"],
-        "verify_steps": metrics["verify_steps"],
+        "acceptance_rate": metrics.acceptance_rate,
+        "per_position_acceptance": metrics.per_position_acceptance,
+        "tokens_per_verify_step": metrics.mean_accepted_length,
+        "verify_steps": metrics.verify_steps,
       }
     )
   return rows

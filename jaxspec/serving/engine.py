@@ -1,15 +1,20 @@
-"""Plain (non-speculative) batched generation over the paged cache.
+"""Batched generation over the paged cache: one generation loop, a decoding strategy plugged in.
 
-Requests of different prompt lengths are padded into a static batch bucket (a power of two up to
-`max_batch_size`) and a prompt-length bucket; each wave runs one prefill step and then one decode
-step per new token. Only the sampled token ids come back to the host each step, to check stop
-tokens and lengths.
+`Generator` owns the loop: it checks all requests up front, cuts them into waves of a static
+batch bucket (a power of two up to `max_batch_size`) and a prompt-length bucket, hands out pages,
+runs the target prefill, then asks its `DecodingStrategy` for one decode step at a time until
+every request has hit a stop token or `max_new_tokens`; it applies stop tokens and lengths, times
+the steps and reports progress. Only the emitted token ids come back to the host each step.
+
+Strategies: `PlainDecoding` (one token per target step) here, `MtpDecoding` (draft k tokens with
+the MTP layer, verify them with the target) in `jaxspec.serving.speculative`.
 """
 
 import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -17,22 +22,29 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxspec.model.moe import choose_moe_impl
+from jaxspec.kernels.dispatch import IMPLS
+from jaxspec.model.cache import ModelCache
+from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
-from jaxspec.serving.kv_cache import BlockAllocator
-from jaxspec.serving.latent_cache import create_cache
+from jaxspec.serving.kv_cache import BlockAllocator, OutOfPagesError
 from jaxspec.serving.sampling import GREEDY, SamplingParams
 from jaxspec.serving.steps import decode_step, prefill_step
 
 MAX_LOOKAHEAD = 8
 
 
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """Static sizes of the serving engine.
+  """Static sizes and kernel choices of the serving engine.
 
   `num_pages` defaults to enough pages for `max_batch_size` requests of `max_seq_len` tokens.
-  `shuffle_pages_seed` hands pages out in random order (tests use it).
+  `attention_impl` picks `paged_decode_attention`'s implementation and `index_conversion_impl`
+  (default: the same) `convert_topk_to_physical`'s, for GLM-5 models. `shuffle_pages_seed` hands
+  pages out in random order (tests use it).
   """
 
   max_batch_size: int = 8
@@ -41,12 +53,27 @@ class EngineConfig:
   num_pages: int | None = None
   min_prompt_bucket: int = 16
   attention_impl: str = "auto"
+  index_conversion_impl: str | None = None
   shuffle_pages_seed: int | None = None
 
   def __post_init__(self):
     for name in ("max_batch_size", "max_seq_len", "page_size", "min_prompt_bucket"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+      value = getattr(self, name)
+      if not _is_int(value) or value <= 0:
+        raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+    if self.num_pages is not None and (not _is_int(self.num_pages) or self.num_pages <= 0):
+      raise ValueError(
+        f"EngineConfig.num_pages must be a positive int or None (enough for every request at "
+        f"max_seq_len), got {self.num_pages!r}"
+      )
+    if self.shuffle_pages_seed is not None and not _is_int(self.shuffle_pages_seed):
+      raise ValueError(
+        f"EngineConfig.shuffle_pages_seed must be an int or None, got {self.shuffle_pages_seed!r}"
+      )
+    for name in ("attention_impl", "index_conversion_impl"):
+      value = getattr(self, name)
+      if value not in IMPLS and not (value is None and name == "index_conversion_impl"):
+        raise ValueError(f"EngineConfig.{name} must be one of {IMPLS}, got {value!r}")
 
   @property
   def max_pages_per_request(self) -> int:
@@ -57,13 +84,154 @@ class EngineConfig:
   def total_pages(self) -> int:
     return self.num_pages or self.max_batch_size * self.max_pages_per_request
 
+  @property
+  def kernels(self) -> KernelChoices:
+    """The steps' kernel choices; the MoE implementation is decided per step ("auto")."""
+    conversion = self.index_conversion_impl or self.attention_impl
+    return KernelChoices(attention=self.attention_impl, index_conversion=conversion)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationMetrics:
+  """Throughput, latency and (with speculation) acceptance of one `generate` call.
+
+  TTFT is prefill to first token, ITL the time between two tokens of a request, TPOT the decode
+  time per output token after the first. With k draft tokens per verify step:
+  `per_position_acceptance[j]` is the share of verify steps that accepted draft j + 1,
+  `acceptance_rate` their mean, and `mean_accepted_length` the tokens per verify step (accepted
+  drafts plus the bonus token). Plain decoding reports k = 0 and one token per step. Fields can
+  also be read as `metrics["name"]`.
+  """
+
+  num_requests: int
+  generated_tokens: int
+  elapsed_s: float
+  tokens_per_s: float
+  decode_steps: int
+  ttft_s: float
+  itl_s: float
+  tpot_s: float
+  num_speculative_tokens: int = 0
+  verify_steps: int | None = None
+  acceptance_rate: float | None = None
+  per_position_acceptance: list[float] = dataclasses.field(default_factory=list)
+  mean_accepted_length: float = 1.0
+
+  def __getitem__(self, name: str):
+    if name not in self.as_dict():
+      raise KeyError(name)
+    return getattr(self, name)
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
 
 @dataclasses.dataclass
 class GenerationOutput:
-  """Generated token ids per request (prompt excluded, stop token included) and timings."""
+  """Generated token ids per request (prompt excluded, stop token included) and the metrics."""
 
   tokens: list[list[int]]
-  metrics: dict
+  metrics: GenerationMetrics
+
+
+@dataclasses.dataclass
+class WaveStats:
+  """Timing of one wave, and the tokens each decode step emitted per active request."""
+
+  ttft_s: float
+  step_times: list[float] = dataclasses.field(default_factory=list)
+  tokens_per_step: list[int] = dataclasses.field(default_factory=list)
+  # Per decode step and active request: tokens the step produced for it (accepted drafts + 1).
+  produced: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Wave:
+  """One static batch of requests being generated (host-side state)."""
+
+  input_ids: np.ndarray  # int32 [B, T] prompts, zero padded
+  prompt_lens: np.ndarray  # int32 [B], 0 = padding slot
+  block_tables: jax.Array  # int32 [B, max_pages]
+  committed: np.ndarray  # int32 [B] tokens in the target's cache per request
+  done: np.ndarray  # bool [B]; padding slots start done
+  sampling: SamplingParams
+  key: jax.Array
+
+  def next_key(self) -> jax.Array:
+    self.key, key = jax.random.split(self.key)
+    return key
+
+
+@dataclasses.dataclass
+class Prefill:
+  """What the target prefill hands to a decoding strategy."""
+
+  first_tokens: np.ndarray  # int32 [B] (host)
+  hidden: jax.Array  # [B, T, H] after the final norm
+
+
+class WaveDecoder(Protocol):
+  """A strategy's decoding state for one wave."""
+
+  def step(self, wave: Wave) -> np.ndarray:
+    """One decode step for every request not done: int32 [B, n] emitted tokens on the host,
+    -1 after each request's last (n = 1 for plain decoding, k + 1 with k drafts)."""
+    ...
+
+
+class DecodingStrategy(Protocol):
+  """How a wave is decoded after the prefill (plain, speculative, ...)."""
+
+  # Cache slots a step may write past a request's last committed token.
+  lookahead_tokens: int
+  # Draft tokens proposed per step (0 for plain decoding).
+  num_speculative_tokens: int
+  # Whether the model's cache must hold the MTP layer's pages.
+  needs_draft_cache: bool
+
+  def check_model(self, model: GlmForCausalLM) -> None:
+    """`ValueError` when the model cannot be decoded this way."""
+    ...
+
+  def begin(self, engine: "Generator", wave: Wave, prefill: Prefill) -> WaveDecoder: ...
+
+
+class PlainDecoding:
+  """One target step per token: `decode_step` with the last sampled token."""
+
+  lookahead_tokens = 0
+  num_speculative_tokens = 0
+  needs_draft_cache = False
+
+  def check_model(self, model: GlmForCausalLM) -> None:
+    del model  # every model decodes plainly
+
+  def begin(self, engine: "Generator", wave: Wave, prefill: Prefill) -> WaveDecoder:
+    return _PlainWave(engine, prefill.first_tokens)
+
+
+class _PlainWave:
+  def __init__(self, engine: "Generator", first_tokens: np.ndarray):
+    self.engine = engine
+    self.tokens = first_tokens
+
+  def step(self, wave: Wave) -> np.ndarray:
+    engine = self.engine
+    seq_lens = np.where(wave.done, 0, wave.committed + 1).astype(np.int32)
+    next_tokens, engine.cache = decode_step(
+      engine.graphdef,
+      engine.params,
+      engine.cache,
+      jnp.asarray(self.tokens[:, None]),
+      jnp.asarray(seq_lens),
+      wave.block_tables,
+      wave.next_key(),
+      sampling=wave.sampling,
+      kernels=engine.config.kernels,
+    )
+    new_tokens = np.asarray(next_tokens)
+    self.tokens = np.where(wave.done, self.tokens, new_tokens)
+    return np.where(wave.done, -1, new_tokens)[:, None]
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -72,31 +240,39 @@ def bucket(n: int, minimum: int = 1) -> int:
 
 
 class Generator:
-  """Batched prefill + decode of a `GlmForCausalLM` with a paged KV cache.
+  """Batched prefill + decode of a `GlmForCausalLM` over its paged cache.
 
   Example:
     gen = Generator(model, EngineConfig(max_seq_len=256))
     out = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)
+    out.tokens, out.metrics.tokens_per_s
   """
 
-  # Cache slots a step may write past a request's last committed token (speculative verify rows).
-  lookahead_tokens = 0
-
-  def __init__(self, model: GlmForCausalLM, config: EngineConfig | None = None):
+  def __init__(
+    self,
+    model: GlmForCausalLM,
+    config: EngineConfig | None = None,
+    strategy: DecodingStrategy | None = None,
+  ):
+    if not isinstance(model, GlmForCausalLM):
+      raise TypeError(f"model must be a jaxspec GlmForCausalLM, got {type(model).__name__}")
     config = config or EngineConfig()
+    if not isinstance(config, EngineConfig):
+      raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    self.strategy = strategy or PlainDecoding()
+    self.strategy.check_model(model)
     self.model = model
     self.config = config
     self.graphdef, self.params = nnx.split(model)
     self.allocator = BlockAllocator(
       config.total_pages, config.page_size, shuffle_seed=config.shuffle_pages_seed
     )
-    self.cache = create_cache(
-      model.config, self.num_cache_layers, config.total_pages, config.page_size, model.dtype
-    )
+    self.cache = self._new_cache()
 
-  @property
-  def num_cache_layers(self) -> int:
-    return self.model.config.num_hidden_layers
+  def _new_cache(self) -> ModelCache:
+    return self.model.init_cache(
+      self.config.total_pages, self.config.page_size, draft=self.strategy.needs_draft_cache
+    )
 
   def generate(
     self,
@@ -111,9 +287,11 @@ class Generator:
     """Generates up to `max_new_tokens` tokens per prompt; stops a request at a stop token.
 
     `stop_token_ids` defaults to the config's `eos_token_id`; pass `()` to never stop early.
+    Every request is checked before the first wave runs. After an exception (a
+    KeyboardInterrupt included) the engine stays usable: its pages are returned and a cache
+    whose buffers were donated to the interrupted step is rebuilt.
     """
-    prompts = [list(map(int, p)) for p in prompts]
-    self._check_requests(prompts, max_new_tokens)
+    prompts = self._check_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
     stop = set(self.model.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
     key = jax.random.key(seed)
     outputs, waves = [], []
@@ -121,55 +299,88 @@ class Generator:
     bar = tqdm(
       total=len(prompts) * max_new_tokens, desc="generating", unit="tok", disable=not progress
     )
-    for wave_start in range(0, len(prompts), self.config.max_batch_size):
-      wave = prompts[wave_start : wave_start + self.config.max_batch_size]
-      key, wave_key = jax.random.split(key)
-      tokens, stats = self._generate_wave(wave, max_new_tokens, sampling, wave_key, stop, bar)
-      outputs.extend(tokens)
-      waves.append(stats)
-    bar.close()
+    try:
+      for wave_start in range(0, len(prompts), self.config.max_batch_size):
+        wave_prompts = prompts[wave_start : wave_start + self.config.max_batch_size]
+        key, wave_key = jax.random.split(key)
+        tokens, stats = self._generate_wave(
+          wave_prompts, max_new_tokens, sampling, wave_key, stop, bar
+        )
+        outputs.extend(tokens)
+        waves.append(stats)
+    except BaseException:
+      self._recover()
+      raise
+    finally:
+      bar.close()
     elapsed = time.perf_counter() - start
     return GenerationOutput(tokens=outputs, metrics=self._metrics(waves, outputs, elapsed))
 
-  def _metrics(self, waves: list[dict], outputs: list[list[int]], elapsed: float) -> dict:
-    """Throughput and latency: TTFT (prefill to first token), ITL (time between two tokens of a
-    request), TPOT (decode time per output token after the first)."""
-    generated = sum(len(t) for t in outputs)
-    first_token_times = [w["ttft_s"] for w in waves]
-    step_times = [t for w in waves for t in w["step_times"]]
-    tokens_per_step = [n for w in waves for n in w["tokens_per_step"]]
-    return {
-      "num_requests": len(outputs),
-      "generated_tokens": generated,
-      "elapsed_s": elapsed,
-      "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
-      "decode_steps": len(step_times),
-      "ttft_s": float(np.mean(first_token_times)),
-      "itl_s": float(np.sum(step_times) / max(np.sum(tokens_per_step), 1)),
-      "tpot_s": (elapsed - float(np.sum(first_token_times))) / max(generated - len(outputs), 1),
-    }
+  def _recover(self) -> None:
+    """After an interrupted step: a cache donated to it is gone; build a fresh one."""
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+      self.cache = self._new_cache()
 
-  def _check_requests(self, prompts, max_new_tokens):
-    if not prompts:
-      raise ValueError("prompts must hold at least one request")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    vocab = self.model.config.vocab_size
+  # ------------------------------------------------------------------------------------------------
+  # Requests.
+
+  def _check_requests(self, prompts, max_new_tokens, sampling, seed, stop_token_ids):
+    """Checks every request before any device work; returns the prompts as lists of ints."""
+    cfg, model_config = self.config, self.model.config
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not isinstance(sampling, SamplingParams):
+      raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not _is_int(seed) or not -(2**63) <= seed < 2**64:
+      raise ValueError(f"seed must be an int that fits in 64 bits, got {seed!r}")
+    if stop_token_ids is not None and not all(_is_int(t) for t in stop_token_ids):
+      raise ValueError(f"stop_token_ids must be ints, got {stop_token_ids!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+      raise ValueError("prompts must be a non-empty sequence of token-id sequences")
+    vocab = model_config.vocab_size
+    lookahead = self.strategy.lookahead_tokens
+    checked = []
     for i, prompt in enumerate(prompts):
-      if not prompt:
+      if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
+        raise ValueError(f"prompt {i} must be a sequence of token ids, got {type(prompt).__name__}")
+      if len(prompt) == 0:
         raise ValueError(f"prompt {i} is empty")
+      if not all(_is_int(t) for t in prompt):
+        raise ValueError(f"prompt {i} holds non-integer token ids")
+      prompt = [int(t) for t in prompt]
       if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-      if len(prompt) + max_new_tokens > self.config.max_seq_len:
+      total = len(prompt) + max_new_tokens
+      if total > cfg.max_seq_len:
         raise ValueError(
           f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-          f"max_seq_len ({self.config.max_seq_len})"
+          f"max_seq_len ({cfg.max_seq_len})"
         )
+      if total + lookahead > model_config.max_position_embeddings:
+        raise ValueError(
+          f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+          f"model's max_position_embeddings ({model_config.max_position_embeddings})"
+        )
+      checked.append(prompt)
+    for wave_start in range(0, len(checked), cfg.max_batch_size):
+      wave = checked[wave_start : wave_start + cfg.max_batch_size]
+      needed = sum(self._pages_for(p, max_new_tokens) for p in wave)
+      if needed > self.allocator.num_pages:
+        raise OutOfPagesError(
+          f"requests {wave_start}..{wave_start + len(wave) - 1} run together and need {needed} "
+          f"pages, but the cache has {self.allocator.num_pages} (EngineConfig.num_pages)"
+        )
+    return checked
+
+  def _pages_for(self, prompt, max_new_tokens: int) -> int:
+    return self.allocator.pages_for(len(prompt) + max_new_tokens + self.strategy.lookahead_tokens)
+
+  # ------------------------------------------------------------------------------------------------
+  # The loop.
 
   def _generate_wave(self, prompts, max_new_tokens, sampling, key, stop, bar):
     cfg = self.config
-    num_requests = len(prompts)
-    batch = bucket(num_requests)
+    batch = bucket(len(prompts))
     prompt_bucket = min(bucket(max(map(len, prompts)), cfg.min_prompt_bucket), cfg.max_seq_len)
     input_ids = np.zeros((batch, prompt_bucket), np.int32)
     prompt_lens = np.zeros((batch,), np.int32)
@@ -179,85 +390,93 @@ class Generator:
       for b, prompt in enumerate(prompts):
         input_ids[b, : len(prompt)] = prompt
         prompt_lens[b] = len(prompt)
-        capacity = len(prompt) + max_new_tokens + self.lookahead_tokens
-        pages = self.allocator.allocate(self.allocator.pages_for(capacity))
+        pages = self.allocator.allocate(self._pages_for(prompt, max_new_tokens))
         owned.append(pages)
         block_tables[b, : len(pages)] = pages
-      return self._run_wave(
-        input_ids, prompt_lens, block_tables, num_requests, max_new_tokens, sampling, key, stop, bar
+      wave = Wave(
+        input_ids=input_ids,
+        prompt_lens=prompt_lens,
+        block_tables=jnp.asarray(block_tables),
+        committed=prompt_lens.copy(),
+        done=np.arange(batch) >= len(prompts),
+        sampling=sampling,
+        key=key,
       )
+      return self._run_wave(wave, len(prompts), max_new_tokens, stop, bar)
     finally:
       for pages in owned:
         self.allocator.free(pages)
 
-  def _prefill(self, input_ids, prompt_lens, block_tables, sampling, key):
-    """Target prefill; returns (first tokens [B] on host, hidden [B, T, H] on device, seconds)."""
+  def _prefill(self, wave: Wave) -> tuple[Prefill, float]:
     t0 = time.perf_counter()
     next_tokens, hidden, self.cache = prefill_step(
       self.graphdef,
       self.params,
       self.cache,
-      jnp.asarray(input_ids),
-      jnp.asarray(prompt_lens),
-      block_tables,
-      key,
-      sampling=sampling,
-      moe_impl=choose_moe_impl(input_ids.size, self.model.config),
-      attention_impl=self.config.attention_impl,
+      jnp.asarray(wave.input_ids),
+      jnp.asarray(wave.prompt_lens),
+      wave.block_tables,
+      wave.next_key(),
+      sampling=wave.sampling,
+      kernels=self.config.kernels,
     )
     first_tokens = np.asarray(next_tokens)
-    return first_tokens, hidden, time.perf_counter() - t0
+    return Prefill(first_tokens, hidden), time.perf_counter() - t0
 
-  def _run_wave(
-    self,
-    input_ids,
-    prompt_lens,
-    block_tables,
-    num_requests,
-    max_new_tokens,
-    sampling,
-    key,
-    stop,
-    bar,
-  ):
-    batch = input_ids.shape[0]
-    block_tables = jnp.asarray(block_tables)
-    key, step_key = jax.random.split(key)
-    host_tokens, _, ttft = self._prefill(input_ids, prompt_lens, block_tables, sampling, step_key)
+  def _run_wave(self, wave: Wave, num_requests, max_new_tokens, stop, bar):
+    prefill, ttft = self._prefill(wave)
+    decoder = self.strategy.begin(self, wave, prefill)
+    stats = WaveStats(ttft_s=ttft)
     generated = [[] for _ in range(num_requests)]
-    done = np.ones(batch, bool)
     for b in range(num_requests):
-      done[b] = append_tokens(generated[b], host_tokens[b : b + 1], max_new_tokens, stop, bar)
-    lengths = prompt_lens.copy()  # tokens already in the cache per request
-    step_times = []
-    decode_moe = choose_moe_impl(batch, self.model.config)
-    while not done.all():
-      t_step = time.perf_counter()
-      seq_lens = np.where(done, 0, lengths + 1).astype(np.int32)
-      key, step_key = jax.random.split(key)
-      next_tokens, self.cache = decode_step(
-        self.graphdef,
-        self.params,
-        self.cache,
-        jnp.asarray(host_tokens[:, None]),
-        jnp.asarray(seq_lens),
-        block_tables,
-        step_key,
-        sampling=sampling,
-        moe_impl=decode_moe,
-        attention_impl=self.config.attention_impl,
+      wave.done[b] = append_tokens(
+        generated[b], prefill.first_tokens[b : b + 1], max_new_tokens, stop, bar
       )
-      new_tokens = np.asarray(next_tokens)
-      step_times.append(time.perf_counter() - t_step)
-      for b in np.flatnonzero(~done):
-        lengths[b] += 1
-        done[b] = append_tokens(generated[b], new_tokens[b : b + 1], max_new_tokens, stop, bar)
-      host_tokens = np.where(done, host_tokens, new_tokens)
-    return generated, {
-      "ttft_s": ttft,
-      "step_times": step_times,
-      "tokens_per_step": [1] * len(step_times),
-    }
+    while not wave.done.all():
+      t_step = time.perf_counter()
+      active = np.flatnonzero(~wave.done)
+      emitted = decoder.step(wave)  # [B, n], -1 padded
+      stats.step_times.append(time.perf_counter() - t_step)
+      emitted_now = 0
+      for b in active:
+        row = emitted[b][emitted[b] >= 0]
+        stats.produced.append(len(row))
+        wave.committed[b] += len(row)
+        before = len(generated[b])
+        wave.done[b] = append_tokens(generated[b], row, max_new_tokens, stop, bar)
+        emitted_now += len(generated[b]) - before
+      stats.tokens_per_step.append(emitted_now)
+    return generated, stats
+
+  def _metrics(self, waves: list[WaveStats], outputs, elapsed: float) -> GenerationMetrics:
+    generated = sum(len(t) for t in outputs)
+    first_token_times = [w.ttft_s for w in waves]
+    step_times = [t for w in waves for t in w.step_times]
+    tokens_per_step = [n for w in waves for n in w.tokens_per_step]
+    common = dict(
+      num_requests=len(outputs),
+      generated_tokens=generated,
+      elapsed_s=elapsed,
+      tokens_per_s=generated / elapsed if elapsed > 0 else 0.0,
+      decode_steps=len(step_times),
+      ttft_s=float(np.mean(first_token_times)),
+      itl_s=float(np.sum(step_times) / max(np.sum(tokens_per_step), 1)),
+      tpot_s=(elapsed - float(np.sum(first_token_times))) / max(generated - len(outputs), 1),
+    )
+    k = self.strategy.num_speculative_tokens
+    if not k:
+      return GenerationMetrics(**common)
+    produced = np.array([n for w in waves for n in w.produced], np.int64)  # accepted + 1 each
+    cycles = len(produced)
+    accepted_at = np.array([np.sum(produced - 1 > j) for j in range(k)], np.float64)  # [k]
+    return GenerationMetrics(
+      **common,
+      num_speculative_tokens=k,
+      verify_steps=cycles,
+      acceptance_rate=float(accepted_at.sum() / max(cycles * k, 1)),
+      per_position_acceptance=(accepted_at / max(cycles, 1)).tolist(),
+      mean_accepted_length=float((accepted_at.sum() + cycles) / max(cycles, 1)),
+    )
 
 
 def append_tokens(output: list[int], new_tokens, max_new_tokens: int, stop: set[int], bar) -> bool:

@@ -1,20 +1,17 @@
-"""Paged KV cache: a host-side block allocator and the device arrays it hands out.
+"""Paged KV cache bookkeeping: the host-side block allocator and the token -> slot mapping.
 
-Layout per layer: `k, v: [Hkv, num_pages, page_size, D]` (HND, as jax's paged_attention and
-`jaxspec.kernels.paged_decode_attention` read it). A request owns a list of pages, its block
-table row; token `t` of the request lives at slot `block_table[t // page_size] * page_size +
-t % page_size`. The arrays are written functionally inside jitted steps that donate them, so XLA
-updates them in place.
+The cache arrays themselves belong to the model (`model.init_cache`, `jaxspec.model.cache`): every
+layer's pages share one page pool. A request owns a list of pages, its block table row; token `t`
+of the request lives at slot `block_table[t // page_size] * page_size + t % page_size` of every
+layer. The arrays are written functionally inside jitted steps that donate them, so XLA updates
+them in place.
 """
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxspec.model.config import GlmConfig
 
 
 class OutOfPagesError(RuntimeError):
@@ -63,33 +60,6 @@ class BlockAllocator:
         raise ValueError(f"page {page} is not allocated")
       self._owned.remove(page)
       self._free.append(page)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PagedKVCache:
-  """Per-layer `(k, v)` page arrays, each `[Hkv, num_pages, page_size, D]`."""
-
-  layers: tuple[tuple[jax.Array, jax.Array], ...]
-
-  @classmethod
-  def create(
-    cls, config: GlmConfig, num_layers: int, num_pages: int, page_size: int, dtype=jnp.bfloat16
-  ) -> "PagedKVCache":
-    shape = (config.num_key_value_heads, num_pages, page_size, config.head_dim)
-    return cls(tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)))
-
-  def replace_prefix(self, layers) -> "PagedKVCache":
-    """A cache whose first `len(layers)` layers are replaced, the others kept."""
-    return PagedKVCache(tuple(layers) + self.layers[len(layers) :])
-
-  @property
-  def num_pages(self) -> int:
-    return self.layers[0][0].shape[1]
-
-  @property
-  def page_size(self) -> int:
-    return self.layers[0][0].shape[2]
 
 
 def slot_mapping(

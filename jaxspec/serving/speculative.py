@@ -16,16 +16,13 @@ samples exactly the target distribution (speculative sampling).
 """
 
 import dataclasses
-import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.model.moe import choose_moe_impl
 from jaxspec.model.transformer import GlmForCausalLM
-from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator, append_tokens
-from jaxspec.serving.spec_steps import draft_prefill_step, draft_step, verify_step
+from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator, Prefill, Wave
+from jaxspec.serving.spec_steps import DraftInputs, draft_prefill_step, draft_step, verify_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,24 +34,114 @@ class SpeculativeConfig:
   prune_draft_rows: bool = True
 
   def __post_init__(self):
-    if not 1 <= self.num_speculative_tokens <= MAX_LOOKAHEAD - 1:
+    k = self.num_speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_LOOKAHEAD - 1:
       raise ValueError(
-        f"num_speculative_tokens must be in 1..{MAX_LOOKAHEAD - 1}, "
-        f"got {self.num_speculative_tokens}"
+        f"num_speculative_tokens must be an int in 1..{MAX_LOOKAHEAD - 1}, got {k!r}"
       )
+    if not isinstance(self.prune_draft_rows, bool):
+      raise ValueError(f"prune_draft_rows must be a bool, got {self.prune_draft_rows!r}")
 
   @property
   def q_len(self) -> int:
     return self.num_speculative_tokens + 1
 
 
+class MtpDecoding:
+  """Decoding strategy: draft k tokens with the model's MTP layer, verify them with the target."""
+
+  needs_draft_cache = True
+
+  def __init__(self, spec: SpeculativeConfig | None = None):
+    self.spec = spec or SpeculativeConfig()
+    if not isinstance(self.spec, SpeculativeConfig):
+      raise TypeError(f"spec must be a SpeculativeConfig, got {type(self.spec).__name__}")
+
+  @property
+  def lookahead_tokens(self) -> int:
+    return self.spec.q_len
+
+  @property
+  def num_speculative_tokens(self) -> int:
+    return self.spec.num_speculative_tokens
+
+  def check_model(self, model: GlmForCausalLM) -> None:
+    if model.mtp is None:
+      reason = getattr(model, "mtp_missing_reason", None)
+      raise ValueError(
+        "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1)"
+        + (f": {reason}" if reason else "")
+      )
+
+  def begin(self, engine: Generator, wave: Wave, prefill: Prefill) -> "_MtpWave":
+    return _MtpWave(self.spec, engine, wave, prefill)
+
+
+class _MtpWave:
+  """The draft/verify cycle of one wave; drafts stay on the device between cycles."""
+
+  def __init__(self, spec: SpeculativeConfig, engine: Generator, wave: Wave, prefill: Prefill):
+    self.spec, self.engine = spec, engine
+    self.statics = dict(sampling=wave.sampling, kernels=engine.config.kernels)
+    self.drafting = dict(num_draft=spec.num_speculative_tokens, prune=spec.prune_draft_rows)
+    self.drafts, self.draft_probs, engine.cache = draft_prefill_step(
+      engine.graphdef,
+      engine.params,
+      engine.cache,
+      prefill.hidden,
+      jnp.asarray(wave.input_ids),
+      jnp.asarray(wave.prompt_lens),
+      jnp.asarray(prefill.first_tokens),
+      wave.block_tables,
+      wave.next_key(),
+      **self.statics,
+      **self.drafting,
+    )
+    self.last_tokens = jnp.asarray(prefill.first_tokens)
+
+  def step(self, wave: Wave) -> np.ndarray:
+    engine = self.engine
+    done = jnp.asarray(wave.done)
+    seq_lens = np.where(wave.done, 0, wave.committed + self.spec.q_len).astype(np.int32)
+    num_accepted, emitted, hidden, engine.cache = verify_step(
+      engine.graphdef,
+      engine.params,
+      engine.cache,
+      jnp.concatenate([self.last_tokens[:, None], self.drafts], axis=1),
+      jnp.asarray(seq_lens),
+      wave.block_tables,
+      self.draft_probs,
+      wave.next_key(),
+      **self.statics,
+    )
+    inputs = DraftInputs(
+      target_hidden=hidden,
+      emitted=emitted,
+      num_accepted=num_accepted,
+      committed_lens=jnp.where(done, 0, jnp.asarray(wave.committed) + 1 + num_accepted),
+      block_tables=wave.block_tables,
+    )
+    # The draft step is dispatched before the host reads the emitted tokens (the only copy back).
+    self.drafts, self.draft_probs, engine.cache = draft_step(
+      engine.graphdef,
+      engine.params,
+      engine.cache,
+      inputs,
+      wave.next_key(),
+      **self.statics,
+      **self.drafting,
+    )
+    self.last_tokens = jnp.take_along_axis(emitted, num_accepted[:, None], axis=1)[:, 0]
+    return np.where(wave.done[:, None], -1, np.asarray(emitted))
+
+
 class SpeculativeGenerator(Generator):
-  """`Generator` whose decode loop drafts with the model's MTP layer and verifies with the target.
+  """`Generator` with the `MtpDecoding` strategy (drafts from the model's MTP layer).
 
   Example:
     gen = SpeculativeGenerator(model, EngineConfig(max_seq_len=512), SpeculativeConfig(3))
     out = gen.generate(prompts, max_new_tokens=64)
-    out.metrics["acceptance_rate"], out.metrics["per_position_acceptance"]
+    out.metrics.acceptance_rate, out.metrics.per_position_acceptance
   """
 
   def __init__(
@@ -63,122 +150,8 @@ class SpeculativeGenerator(Generator):
     config: EngineConfig | None = None,
     spec: SpeculativeConfig | None = None,
   ):
-    if model.mtp is None:
-      raise ValueError(
-        "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1)"
-      )
-    self.spec = spec or SpeculativeConfig()
-    super().__init__(model, config)
+    super().__init__(model, config, MtpDecoding(spec))
 
   @property
-  def num_cache_layers(self) -> int:
-    return self.model.config.num_hidden_layers + 1  # the MTP layer keeps its own cache
-
-  @property
-  def lookahead_tokens(self) -> int:
-    return self.spec.q_len
-
-  def _metrics(self, waves, outputs, elapsed):
-    metrics = super()._metrics(waves, outputs, elapsed)
-    k = self.spec.num_speculative_tokens
-    cycles = sum(w["cycles"] for w in waves)
-    accepted_at = np.sum([w["accepted_at"] for w in waves], axis=0)  # [k]
-    metrics.update(
-      num_speculative_tokens=k,
-      verify_steps=cycles,
-      acceptance_rate=float(accepted_at.sum() / max(cycles * k, 1)),
-      per_position_acceptance=(accepted_at / max(cycles, 1)).tolist(),
-      mean_accepted_length=float((accepted_at.sum() + cycles) / max(cycles, 1)),
-    )
-    return metrics
-
-  def _run_wave(
-    self,
-    input_ids,
-    prompt_lens,
-    block_tables,
-    num_requests,
-    max_new_tokens,
-    sampling,
-    key,
-    stop,
-    bar,
-  ):
-    batch = input_ids.shape[0]
-    k, q_len = self.spec.num_speculative_tokens, self.spec.q_len
-    statics = dict(sampling=sampling, attention_impl=self.config.attention_impl)
-    drafting = dict(num_draft=k, prune=self.spec.prune_draft_rows, **statics)
-    block_tables = jnp.asarray(block_tables)
-    key, prefill_key, draft_key = jax.random.split(key, 3)
-    first_tokens, hidden, ttft = self._prefill(
-      input_ids, prompt_lens, block_tables, sampling, prefill_key
-    )
-    drafts, draft_probs, self.cache = draft_prefill_step(
-      self.graphdef,
-      self.params,
-      self.cache,
-      hidden,
-      jnp.asarray(input_ids),
-      jnp.asarray(prompt_lens),
-      jnp.asarray(first_tokens),
-      block_tables,
-      draft_key,
-      **drafting,
-    )
-    generated = [[] for _ in range(num_requests)]
-    done = np.ones(batch, bool)
-    for b in range(num_requests):
-      done[b] = append_tokens(generated[b], first_tokens[b : b + 1], max_new_tokens, stop, bar)
-    committed = prompt_lens.copy()  # target KV length per request
-    last_tokens = jnp.asarray(first_tokens)
-    verify_moe = choose_moe_impl(batch * q_len, self.model.config)
-    stats = {
-      "ttft_s": ttft,
-      "step_times": [],
-      "tokens_per_step": [],
-      "cycles": 0,
-      "accepted_at": np.zeros(k, np.int64),
-    }
-    while not done.all():
-      t_step = time.perf_counter()
-      seq_lens = np.where(done, 0, committed + q_len).astype(np.int32)
-      key, verify_key, draft_key = jax.random.split(key, 3)
-      num_accepted, emitted, hidden, self.cache = verify_step(
-        self.graphdef,
-        self.params,
-        self.cache,
-        jnp.concatenate([last_tokens[:, None], drafts], axis=1),
-        jnp.asarray(seq_lens),
-        block_tables,
-        draft_probs,
-        verify_key,
-        moe_impl=verify_moe,
-        **statics,
-      )
-      committed_after = jnp.where(jnp.asarray(done), 0, jnp.asarray(committed) + 1 + num_accepted)
-      drafts, draft_probs, self.cache = draft_step(
-        self.graphdef,
-        self.params,
-        self.cache,
-        hidden,
-        emitted,
-        num_accepted,
-        committed_after,
-        block_tables,
-        draft_key,
-        **drafting,
-      )
-      last_tokens = jnp.take_along_axis(emitted, num_accepted[:, None], axis=1)[:, 0]
-      host_accepted, host_emitted = np.asarray(num_accepted), np.asarray(emitted)
-      stats["step_times"].append(time.perf_counter() - t_step)
-      emitted_now = 0
-      for b in np.flatnonzero(~done):
-        a = int(host_accepted[b])
-        stats["cycles"] += 1
-        stats["accepted_at"][:a] += 1
-        before = len(generated[b])
-        done[b] = append_tokens(generated[b], host_emitted[b, : a + 1], max_new_tokens, stop, bar)
-        emitted_now += len(generated[b]) - before
-        committed[b] += a + 1
-      stats["tokens_per_step"].append(emitted_now)
-    return generated, stats
+  def spec(self) -> SpeculativeConfig:
+    return self.strategy.spec

@@ -1,7 +1,8 @@
 """One top-k conversion per index group in decode steps, counted in the traced step.
 
-`convert_topk_to_physical` is a `jax.jit` function, so every call shows up in a traced step as one
-`jit` equation named after it; the count does not depend on what its body lowers to.
+Both backends of `convert_topk_to_physical` are `jax.jit` functions, so every conversion shows up
+in a traced step as one `jit` equation named after its backend; the count does not depend on what
+its body lowers to.
 """
 
 import jax
@@ -11,10 +12,10 @@ from flax import nnx
 from jaxspec.jaxpr_utils import count_calls
 from jaxspec.kernels.sparse_index import api as sparse_index_api
 from jaxspec.model.dsa_config import glm53_small
-from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
-from jaxspec.serving.latent_cache import create_latent_cache
+from jaxspec.model.metadata import KernelChoices
+from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.sampling import GREEDY
-from jaxspec.serving.spec_steps import draft_step, verify_step
+from jaxspec.serving.spec_steps import DraftInputs, draft_step, verify_step
 from jaxspec.serving.steps import decode_step
 
 CONVERSION = sparse_index_api.OP.backend_names
@@ -24,22 +25,24 @@ def _int_arg(*shape):
   return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
-def _abstract(config, index_conversion, num_cache_layers, num_pages, page_size):
-  """(graphdef, abstract params, abstract cache): tracing needs no weights."""
-  model = nnx.eval_shape(
-    lambda: GlmDsaForCausalLM(config, rngs=nnx.Rngs(0), index_conversion=index_conversion)
+def _kernels(index_sharing):
+  return KernelChoices(
+    attention="xla", index_conversion="xla", index_sharing=index_sharing, moe="per_route"
   )
+
+
+def _abstract(config, draft, num_pages, page_size):
+  """(graphdef, abstract params, abstract cache): tracing needs no weights."""
+  model = nnx.eval_shape(lambda: GlmForCausalLM(config, rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model)
   cache = jax.eval_shape(
-    lambda: create_latent_cache(config, num_cache_layers, num_pages, page_size, jnp.float32)
+    lambda: nnx.merge(graphdef, params).init_cache(num_pages, page_size, draft=draft)
   )
   return graphdef, params, cache
 
 
-def _decode_step_jaxpr(config, index_conversion, batch_size=2, page_size=64, max_pages=2):
-  graphdef, params, cache = _abstract(
-    config, index_conversion, config.num_hidden_layers, batch_size * max_pages, page_size
-  )
+def _decode_step_jaxpr(config, index_sharing, batch_size=2, page_size=64, max_pages=2):
+  graphdef, params, cache = _abstract(config, False, batch_size * max_pages, page_size)
   traced = decode_step.trace(
     graphdef,
     params,
@@ -49,8 +52,7 @@ def _decode_step_jaxpr(config, index_conversion, batch_size=2, page_size=64, max
     _int_arg(batch_size, max_pages),
     jax.random.key(0),
     sampling=GREEDY,
-    moe_impl="per_route",
-    attention_impl="xla",
+    kernels=_kernels(index_sharing),
   )
   return traced.jaxpr
 
@@ -75,10 +77,8 @@ def test_speculative_steps_convert_once_per_group():
   layer (one full layer) once per draft: k conversions."""
   config = glm53_small()
   batch_size, q_len, num_draft, max_pages = 2, 4, 3, 2
-  graphdef, params, cache = _abstract(
-    config, "per_group", config.num_hidden_layers + 1, batch_size * max_pages, 64
-  )
-  statics = dict(sampling=GREEDY, attention_impl="xla")
+  graphdef, params, cache = _abstract(config, True, batch_size * max_pages, 64)
+  statics = dict(sampling=GREEDY, kernels=_kernels("per_group"))
   verify = verify_step.trace(
     graphdef,
     params,
@@ -88,19 +88,21 @@ def test_speculative_steps_convert_once_per_group():
     _int_arg(batch_size, max_pages),
     None,
     jax.random.key(0),
-    moe_impl="per_route",
     **statics,
   )
   assert count_calls(verify.jaxpr, CONVERSION) == 21
+  inputs = DraftInputs(
+    target_hidden=jax.ShapeDtypeStruct((batch_size, q_len, config.hidden_size), jnp.float32),
+    emitted=_int_arg(batch_size, q_len),
+    num_accepted=_int_arg(batch_size),
+    committed_lens=_int_arg(batch_size),
+    block_tables=_int_arg(batch_size, max_pages),
+  )
   draft = draft_step.trace(
     graphdef,
     params,
     cache,
-    jax.ShapeDtypeStruct((batch_size, q_len, config.hidden_size), jnp.float32),
-    _int_arg(batch_size, q_len),
-    _int_arg(batch_size),
-    _int_arg(batch_size),
-    _int_arg(batch_size, max_pages),
+    inputs,
     jax.random.key(0),
     num_draft=num_draft,
     prune=True,

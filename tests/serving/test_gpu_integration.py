@@ -11,14 +11,13 @@ from flax import nnx
 from jaxspec.kernels.dispatch import is_hopper_gpu
 from jaxspec.model.config import tiny
 from jaxspec.model.dsa_config import tiny_dsa
-from jaxspec.model.dsa_transformer import GlmDsaForCausalLM
+from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.engine import EngineConfig, Generator
-from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache
-from jaxspec.serving.latent_cache import create_latent_cache
+from jaxspec.serving.kv_cache import BlockAllocator
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import verify_step
-from jaxspec.serving.steps import decode_batch
+from jaxspec.serving.steps import decode_metadata
 
 pytestmark = pytest.mark.gpu
 
@@ -42,13 +41,16 @@ def test_verify_step_logits_with_the_kernel_match_xla():
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 512, (batch, k + 1)), jnp.int32)
   seq_lens = jnp.asarray([context + k + 1, 17, k + 1, 0], jnp.int32)  # ragged, one padding slot
   graphdef, params = nnx.split(model)
-  shape = engine.cache.layers[0][0].shape
-  num_arrays = 2 * (model.config.num_hidden_layers + 1)  # target layers and the MTP layer
+  template = model.init_cache(engine.config.total_pages, page, draft=True)
 
   def random_cache():
     """Fresh random pages each call (the step donates them), the same values every time."""
-    arrays = [jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(num_arrays)]
-    return PagedKVCache(tuple(zip(arrays[::2], arrays[1::2], strict=True)))
+    leaves, treedef = jax.tree.flatten(template)
+    arrays = [
+      jax.random.normal(jax.random.key(i), leaf.shape, jnp.bfloat16)
+      for i, leaf in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, arrays)
 
   results = {}
   for impl in ("pallas", "xla"):
@@ -62,8 +64,7 @@ def test_verify_step_logits_with_the_kernel_match_xla():
       None,
       jax.random.key(0),
       sampling=GREEDY,
-      moe_impl="grouped",
-      attention_impl=impl,
+      kernels=KernelChoices(attention=impl, moe="grouped"),
     )
     results[impl] = np.asarray(hidden.astype(jnp.float32))
   valid = np.asarray(seq_lens) > 0
@@ -76,33 +77,34 @@ def test_dsa_verify_logits_with_the_conversion_kernel_match_xla():
   gives the logits of the XLA conversion, with conversions shared per group or done per layer."""
   assert is_hopper_gpu()
   config = tiny_dsa(index_topk=512)  # a multiple of the kernel's 512-wide tile
-  model = GlmDsaForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  model = GlmForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
   page, q_len, batch_size = 64, 4, 3
   seq_lens = jnp.asarray([700, 300, 0], jnp.int32)  # top-k prunes, top-k > length, padding
   allocator = BlockAllocator(batch_size * 12, page, shuffle_seed=3)
   block_tables = jnp.asarray([allocator.allocate(12) for _ in range(batch_size)], jnp.int32)
-  cache = create_latent_cache(
-    config, config.num_hidden_layers, allocator.num_pages, page, jnp.float32
-  )
+  cache = model.init_cache(allocator.num_pages, page, dtype=jnp.float32)
   keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(cache))))
   cache = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype), cache)
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (batch_size, q_len)), jnp.int32)
 
   @functools.partial(jax.jit, static_argnums=(0, 3))
-  def logits(graphdef, params, cache, impl):
+  def logits(graphdef, params, cache, kernels):
     model = nnx.merge(graphdef, params)
-    batch = decode_batch(cache, seq_lens, block_tables, q_len, impl)
-    hidden, _ = model.forward(tokens, batch.positions, cache.layers, batch, moe_impl="grouped")
+    step = decode_metadata(seq_lens, block_tables, q_len, page, kernels)
+    hidden, _ = model.forward(tokens, step, cache)
     return model.logits(hidden)
 
+  graphdef, params = nnx.split(model)
   results = {}
-  for index_conversion in ("per_group", "per_layer"):
-    model.index_conversion = index_conversion
-    graphdef, params = nnx.split(model)
+  for sharing in ("per_group", "per_layer"):
     for impl in ("auto", "xla"):
-      lowered = logits.lower(graphdef, params, cache, impl).as_text()
+      # Attention stays on XLA: this test is about the conversion kernel.
+      kernels = KernelChoices(
+        attention="xla", index_conversion=impl, index_sharing=sharing, moe="grouped"
+      )
+      lowered = logits.lower(graphdef, params, cache, kernels).as_text()
       assert ("mosaic_gpu" in lowered) == (impl == "auto")  # the kernel runs only on "auto"
-      results[index_conversion, impl] = np.asarray(logits(graphdef, params, cache, impl))
+      results[sharing, impl] = np.asarray(logits(graphdef, params, cache, kernels))
   valid = np.asarray(seq_lens) > 0
   reference = results["per_layer", "xla"][valid]
   assert np.isfinite(reference).all()

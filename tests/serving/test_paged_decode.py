@@ -1,107 +1,187 @@
-"""Paged prefill followed by token-by-token decode reproduces the plain causal forward."""
+"""Paged prefill then decode reproduce the plain causal forward, for both model families.
 
+Runs on the transformers fixtures (tests/fixtures), whose router and GLM-5 indexer top-k have no
+near-ties on their `input_ids`, so a float32 rounding difference between the plain forward and the
+paged path (for GLM-5: the expanded and the absorbed attention form) cannot flip a selection.
+`glm_moe_dsa_a` prunes (top-k 4 of up to 11 keys, index groups (full, shared), (full));
+`glm_moe_dsa_b` has one group of three layers. Caches are poisoned with NaN and page tables
+shuffled, so a read of a slot that was never written shows.
+"""
+
+from pathlib import Path
+from typing import NamedTuple
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.model.attention import AttentionBatch
+import jaxspec
+from jaxspec.model.attention import GqaPages
 from jaxspec.model.config import tiny
-from jaxspec.model.transformer import GlmForCausalLM
-from jaxspec.serving.kv_cache import BlockAllocator, PagedKVCache, slot_mapping
-from jaxspec.serving.steps import decode_batch
+from jaxspec.model.dsa_config import tiny_dsa
+from jaxspec.model.metadata import KernelChoices
+from jaxspec.model.mla import MlaPages
+from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.steps import decode_metadata, prefill_metadata
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+XLA = KernelChoices(attention="xla", index_conversion="xla")
 
 
-def _forward_logits(graphdef, params, cache, tokens, batch):
+class PagedCase(NamedTuple):
+  fixture: str
+  page_size: int
+
+  def __str__(self):
+    return f"{self.fixture}-page{self.page_size}"
+
+
+PREFILL_DECODE_CASES = [
+  PagedCase("glm4_moe_a", 1),
+  PagedCase("glm4_moe_b", 4),
+  PagedCase("glm4_moe_c", 16),
+  PagedCase("glm_moe_dsa_a", 2),
+  PagedCase("glm_moe_dsa_a", 4),
+  PagedCase("glm_moe_dsa_b", 64),
+]
+
+
+def _forward_logits(graphdef, params, cache, tokens, step):
   model = nnx.merge(graphdef, params)
-  hidden, layers = model.forward(tokens, batch.positions, cache.layers, batch, moe_impl="grouped")
-  return model.logits(hidden), PagedKVCache(layers)
+  hidden, cache = model.forward(tokens, step, cache)
+  return model.logits(hidden), cache
 
 
 _forward = jax.jit(_forward_logits, static_argnums=0)
 
 
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_prefill_then_decode_matches_plain_forward(page_size):
-  config = tiny(num_attention_heads=6, num_key_value_heads=2)
-  model = GlmForCausalLM(config, rngs=nnx.Rngs(page_size))
-  graphdef, params = nnx.split(model)
-  rng = np.random.default_rng(page_size)
-  prompt_lens = np.array([5, 1, 9], np.int32)
-  total = 13  # every request decodes up to 13 tokens
-  tokens = rng.integers(0, config.vocab_size, (3, total)).astype(np.int32)
-  expected = np.asarray(model(jnp.asarray(tokens)))  # [B, total, V]
-
-  max_pages = -(-total // page_size)
-  allocator = BlockAllocator(3 * max_pages + 5, page_size, shuffle_seed=page_size)
-  block_tables = np.array([allocator.allocate(max_pages) for _ in range(3)], np.int32)
-  cache = PagedKVCache.create(
-    config, config.num_hidden_layers, allocator.num_pages, page_size, jnp.float32
-  )
-  # Poison the cache: any read of a slot that was not written shows up as NaN.
+def _setup(fixture, page_size, num_tokens, seed):
+  """The fixture's model, its input ids and plain-forward logits, shuffled block tables and a
+  NaN-poisoned cache."""
+  model = jaxspec.load_pretrained(FIXTURES / fixture, dtype=jnp.float32)
+  tokens = np.load(FIXTURES / fixture / "reference.npz")["input_ids"][:, :num_tokens]
+  tokens = tokens.astype(np.int32)
+  expected = np.asarray(model(jnp.asarray(tokens)))  # [B, T, V]
+  batch_size = tokens.shape[0]
+  max_pages = -(-num_tokens // page_size)
+  allocator = BlockAllocator(batch_size * max_pages + 3, page_size, shuffle_seed=seed)
+  block_tables = np.array([allocator.allocate(max_pages) for _ in range(batch_size)], np.int32)
+  cache = model.init_cache(allocator.num_pages, page_size, dtype=jnp.float32)
   cache = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), cache)
+  return model, tokens, expected, jnp.asarray(block_tables), cache
 
-  prefill_len = 9
-  positions = np.broadcast_to(np.arange(prefill_len, dtype=np.int32), (3, prefill_len))
-  valid = positions < prompt_lens[:, None]
-  batch = AttentionBatch(
-    positions=jnp.asarray(positions),
-    slot_mapping=slot_mapping(
-      jnp.asarray(block_tables), jnp.asarray(positions), jnp.asarray(valid), page_size
-    ),
-    block_tables=jnp.asarray(block_tables),
-    seq_lens=jnp.asarray(prompt_lens),
-    mode="prefill",
-    attention_impl="xla",
+
+def _prefill(graphdef, params, cache, tokens, prompt_lens, block_tables, kernels=XLA):
+  step = prefill_metadata(
+    jnp.asarray(prompt_lens), block_tables, tokens.shape[1], cache.page_size, kernels
   )
-  logits, cache = _forward(graphdef, params, cache, jnp.asarray(tokens[:, :prefill_len]), batch)
-  for b in range(3):
-    np.testing.assert_allclose(
-      np.asarray(logits)[b, : prompt_lens[b]], expected[b, : prompt_lens[b]], rtol=2e-5, atol=2e-5
-    )
+  return _forward(graphdef, params, cache, jnp.asarray(tokens), step)
 
+
+@pytest.mark.parametrize("case", PREFILL_DECODE_CASES, ids=str)
+def test_prefill_then_decode_matches_plain_forward(case):
+  total = 11
+  model, tokens, expected, block_tables, cache = _setup(
+    case.fixture, case.page_size, total, case.page_size
+  )
+  graphdef, params = nnx.split(model)
+  prompt_lens = np.array([6, 2], np.int32)
+  logits, cache = _prefill(graphdef, params, cache, tokens[:, :6], prompt_lens, block_tables)
+  for b in range(2):
+    np.testing.assert_allclose(
+      np.asarray(logits)[b, : prompt_lens[b]], expected[b, : prompt_lens[b]], rtol=1e-5, atol=1e-5
+    )
   lengths = prompt_lens.copy()
   while (lengths < total).any():
-    step_tokens = tokens[np.arange(3), np.minimum(lengths, total - 1)][:, None]
+    step_tokens = tokens[np.arange(2), np.minimum(lengths, total - 1)][:, None]
     seq_lens = np.where(lengths < total, lengths + 1, 0).astype(np.int32)
-    batch = decode_batch(cache, jnp.asarray(seq_lens), jnp.asarray(block_tables), 1, "xla")
-    logits, cache = _forward(graphdef, params, cache, jnp.asarray(step_tokens), batch)
+    step = decode_metadata(jnp.asarray(seq_lens), block_tables, 1, case.page_size, XLA)
+    logits, cache = _forward(graphdef, params, cache, jnp.asarray(step_tokens), step)
+    logits = np.asarray(logits)
+    assert np.isfinite(logits).all()  # padding rows included
     for b in np.flatnonzero(lengths < total):
-      np.testing.assert_allclose(
-        np.asarray(logits)[b, 0], expected[b, lengths[b]], rtol=2e-5, atol=2e-5
-      )
+      np.testing.assert_allclose(logits[b, 0], expected[b, lengths[b]], rtol=1e-5, atol=1e-5)
     lengths = np.where(lengths < total, lengths + 1, lengths)
 
 
-@pytest.mark.parametrize("q_len", [2, 4])
-def test_multi_row_decode_matches_plain_forward(q_len):
-  """A verify-style step with q_len rows per request gives the plain forward's logits."""
-  config = tiny()
-  model = GlmForCausalLM(config, rngs=nnx.Rngs(7))
-  graphdef, params = nnx.split(model)
+@pytest.mark.parametrize(
+  "fixture, q_len",
+  [("glm4_moe_a", 2), ("glm4_moe_c", 4), ("glm_moe_dsa_a", 3), ("glm_moe_dsa_a", 5)],
+)
+def test_multi_row_decode_matches_plain_forward(fixture, q_len):
+  """A verify-style step with q_len rows per request: each row attends over its causal prefix
+  (GLM-5: each row selects its own keys)."""
   page_size, total = 4, 11
-  tokens = np.random.default_rng(q_len).integers(0, config.vocab_size, (2, total)).astype(np.int32)
-  expected = np.asarray(model(jnp.asarray(tokens)))
-  allocator = BlockAllocator(16, page_size, shuffle_seed=1)
-  block_tables = np.array([allocator.allocate(3) for _ in range(2)], np.int32)
-  cache = PagedKVCache.create(config, config.num_hidden_layers, 16, page_size, jnp.float32)
-  cache = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), cache)
+  model, tokens, expected, block_tables, cache = _setup(fixture, page_size, total, q_len)
+  graphdef, params = nnx.split(model)
   prompt = total - q_len
-  positions = np.broadcast_to(np.arange(prompt, dtype=np.int32), (2, prompt))
-  prefill = AttentionBatch(
-    positions=jnp.asarray(positions),
-    slot_mapping=slot_mapping(
-      jnp.asarray(block_tables), jnp.asarray(positions), jnp.ones((2, prompt), bool), page_size
-    ),
-    block_tables=jnp.asarray(block_tables),
-    seq_lens=jnp.full((2,), prompt, jnp.int32),
-    mode="prefill",
-    attention_impl="xla",
-  )
-  _, cache = _forward(graphdef, params, cache, jnp.asarray(tokens[:, :prompt]), prefill)
-  batch = decode_batch(
-    cache, jnp.full((2,), total, jnp.int32), jnp.asarray(block_tables), q_len, "xla"
-  )
-  logits, _ = _forward(graphdef, params, cache, jnp.asarray(tokens[:, prompt:]), batch)
-  np.testing.assert_allclose(np.asarray(logits), expected[:, prompt:], rtol=2e-5, atol=2e-5)
+  prompt_lens = np.full((2,), prompt, np.int32)
+  _, cache = _prefill(graphdef, params, cache, tokens[:, :prompt], prompt_lens, block_tables)
+  step = decode_metadata(jnp.full((2,), total, jnp.int32), block_tables, q_len, page_size, XLA)
+  logits, _ = _forward(graphdef, params, cache, jnp.asarray(tokens[:, prompt:]), step)
+  np.testing.assert_allclose(np.asarray(logits), expected[:, prompt:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["glm_moe_dsa_a", "glm_moe_dsa_b"])
+def test_shared_group_conversion_equals_per_layer_conversion(fixture):
+  """Shared layers reusing their full layer's physical slots give the logits of converting in
+  every layer (and both match the plain forward)."""
+  page_size, total, q_len = 4, 11, 4
+  model, tokens, expected, block_tables, cache = _setup(fixture, page_size, total, 3)
+  graphdef, params = nnx.split(model)
+  prompt = total - q_len
+  prompt_lens = np.full((2,), prompt, np.int32)
+  _, filled = _prefill(graphdef, params, cache, tokens[:, :prompt], prompt_lens, block_tables)
+  results = []
+  for sharing in ("per_group", "per_layer"):
+    kernels = XLA.replace(index_sharing=sharing)
+    step = decode_metadata(
+      jnp.full((2,), total, jnp.int32), block_tables, q_len, page_size, kernels
+    )
+    logits, _ = _forward(graphdef, params, filled, jnp.asarray(tokens[:, prompt:]), step)
+    results.append(np.asarray(logits))
+  np.testing.assert_array_equal(results[0], results[1])
+  np.testing.assert_allclose(results[0], expected[:, prompt:], rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_cache_layout():
+  config = tiny()
+  model = jaxspec.GlmForCausalLM(config, rngs=nnx.Rngs(0))
+  cache = model.init_cache(5, 16, draft=True)
+  shape = (config.num_key_value_heads, 5, 16, config.head_dim)
+  for pages in [*cache.layers, cache.draft]:
+    assert isinstance(pages, GqaPages)
+    chex.assert_shape([pages.k, pages.v], shape)
+    chex.assert_type([pages.k, pages.v], jnp.float32)
+  assert len(cache.layers) == config.num_hidden_layers
+  assert cache.page_size == 16 and cache.num_pages == 5
+  assert model.init_cache(5, 16).draft is None
+
+
+def test_mla_cache_layout():
+  config = tiny_dsa()
+  model = jaxspec.GlmForCausalLM(config, rngs=nnx.Rngs(0))
+  cache = model.init_cache(5, 64, dtype=jnp.bfloat16, draft=True)
+  latent, keys = (1, 5, 64, config.latent_dim), (1, 5, 64, config.index_head_dim)
+  # full, shared, full, then the MTP layer (a full layer of its own).
+  for pages, full in zip([*cache.layers, cache.draft], [True, False, True, True], strict=True):
+    assert isinstance(pages, MlaPages)
+    chex.assert_shape(pages.latent, latent)
+    chex.assert_type(pages.latent, jnp.bfloat16)
+    assert (pages.index_keys is not None) == full
+    if full:
+      chex.assert_shape(pages.index_keys, keys)
+  assert cache.page_size == 64 and cache.num_pages == 5
+
+
+def test_init_cache_rejects_bad_sizes_and_a_missing_draft_layer():
+  model = jaxspec.GlmForCausalLM(tiny(num_nextn_predict_layers=0), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_pages"):
+    model.init_cache(0, 16)
+  with pytest.raises(ValueError, match="page_size"):
+    model.init_cache(4, 2.5)
+  with pytest.raises(ValueError, match="MTP layer"):
+    model.init_cache(4, 16, draft=True)
