@@ -44,7 +44,13 @@ class Embedding(nnx.Module):
     self.embedding = nnx.Param(_normal(rngs, (num_embeddings, features), dtype, init_std))
 
   def __call__(self, ids: jax.Array) -> jax.Array:
-    return jnp.take(self.embedding[...], ids, axis=0)
+    """ids: int [...] -> [..., features]. An id outside [0, num_embeddings) gives a NaN row, so
+    a bad id shows in the output instead of silently reading another token's row (a negative id
+    would wrap around, one past the end would be clamped)."""
+    table = self.embedding[...]
+    valid = (ids >= 0) & (ids < table.shape[0])
+    rows = jnp.take(table, jnp.where(valid, ids, 0), axis=0)
+    return jnp.where(valid[..., None], rows, jnp.nan).astype(table.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
     """Tied output projection: logits = x @ embedding^T, in float32."""

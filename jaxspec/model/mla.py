@@ -172,7 +172,13 @@ class Indexer(nnx.Module):
 
   def top_k(self, scores: jax.Array) -> jax.Array:
     """float32 [B, T, S] -> int32 [B, T, min(index_topk, S)] key positions, best first; -1
-    where fewer keys are visible than selected."""
+    where fewer keys are visible than selected.
+
+    Tie rule: among equal scores the lowest position is selected first (`jax.lax.top_k` is
+    stable). Ties are common: the indexer's ReLU makes many scores exactly 0. transformers'
+    `torch.topk` breaks ties in an unspecified order, so where scores tie at the cut-off the two
+    can select different keys; parity fixtures are generated without such ties.
+    """
     values, positions = jax.lax.top_k(scores, min(self.index_topk, scores.shape[-1]))
     return jnp.where(values > -jnp.inf, positions, -1).astype(jnp.int32)
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.contracts import require
 from jaxspec.model.attention import Attention, GqaAttention
 from jaxspec.model.cache import ModelCache
 from jaxspec.model.config import ModelConfig
@@ -198,6 +199,7 @@ class GlmForCausalLM(nnx.Module):
     replaced, or None in plain mode).
     """
     _check_step(step, cache, input_ids.shape)
+    _require_token_ids(input_ids, self.config.vocab_size, "input_ids")
     moe_impl = resolve_moe_impl(step.kernels.moe, input_ids.size, self.config)
     x = self.model.embed_tokens(input_ids)
     new_layers = []
@@ -252,6 +254,7 @@ class GlmForCausalLM(nnx.Module):
     if self.mtp is None:
       raise ValueError("this model has no MTP layer (num_nextn_predict_layers = 0)")
     _check_step(step, cache, next_ids.shape)
+    _require_token_ids(next_ids, self.config.vocab_size, "next_ids")
     # Decided from the rows before pruning, so pruned and unpruned passes run the same MoE.
     moe_impl = resolve_moe_impl(step.kernels.moe, next_ids.size, self.config)
     if step.cached and cache.draft is None:
@@ -279,6 +282,14 @@ class GlmForCausalLM(nnx.Module):
 # GLM-5 checkpoints build the same class (the attention follows the config); the name stays for
 # code written against the earlier per-family classes.
 GlmDsaForCausalLM = GlmForCausalLM
+
+
+def _require_token_ids(ids: jax.Array, vocab_size: int, name: str) -> None:
+  """Token ids are a device-value contract: in [0, vocab_size). Checked eagerly on concrete ids
+  (and under jit in checked mode); an id outside gives NaN logits, never another token's."""
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+  require((ids >= 0) & (ids < vocab_size), f"{name} must be token ids in [0, {vocab_size})")
 
 
 def _check_step(step: StepMetadata, cache: ModelCache | None, ids_shape) -> None:

@@ -76,3 +76,40 @@ def test_presets_have_published_shapes():
   full = glm45()
   assert (full.hidden_size, full.num_hidden_layers, full.n_routed_experts) == (5120, 92, 160)
   assert full.use_qk_norm and full.first_k_dense_replace == 3
+
+
+@pytest.mark.parametrize(
+  "field, value",
+  [
+    ("rope_theta", 0),
+    ("rope_theta", float("nan")),
+    ("rms_norm_eps", -1.0),
+    ("rms_norm_eps", float("inf")),
+    ("routed_scaling_factor", 0.0),
+    ("vocab_size", 12.0),
+    ("num_hidden_layers", True),
+    ("max_position_embeddings", 0),
+    ("attention_bias", 1),
+    ("eos_token_id", 500),
+    ("pad_token_id", -1),
+    ("first_k_dense_replace", -2),
+  ],
+)
+def test_values_that_would_give_nan_or_wrong_models_are_rejected(field, value):
+  """A config.json with rope_theta 0 or rms_norm_eps -1 used to load and give all-NaN logits."""
+  raw = {**_raw(), field: value}
+  if field == "rope_theta":
+    raw["rope_parameters"] = {**raw["rope_parameters"], "rope_theta": value}
+  with pytest.raises(ValueError, match=field):
+    GlmConfig.from_hf_dict(raw)
+
+
+def test_the_family_is_picked_from_model_type():
+  from jaxspec.model.config import FAMILIES, ModelConfig, config_from_hf_dict
+  from jaxspec.model.dsa_config import GlmDsaConfig
+
+  assert FAMILIES == {"glm4_moe": GlmConfig, "glm_moe_dsa": GlmDsaConfig}
+  assert type(config_from_hf_dict(_raw("glm4_moe_a"))) is GlmConfig
+  assert type(ModelConfig.from_hf_dict(_raw("glm4_moe_a"))) is GlmConfig
+  with pytest.raises(ValueError, match="jaxspec reads"):
+    config_from_hf_dict({**_raw(), "model_type": "llama"})

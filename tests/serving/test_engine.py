@@ -8,6 +8,7 @@ from flax import nnx
 
 from jaxspec.model.config import tiny
 from jaxspec.model.transformer import GlmForCausalLM
+from jaxspec.serving import engine as engine_module
 from jaxspec.serving.engine import EngineConfig, Generator, bucket
 from jaxspec.serving.kv_cache import OutOfPagesError
 
@@ -89,3 +90,97 @@ def test_out_of_pages(model):
 def test_bucket():
   assert [bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
   assert bucket(3, minimum=16) == 16
+
+
+def test_engine_survives_an_interrupt_inside_a_donating_step(model, monkeypatch):
+  """A KeyboardInterrupt after a step consumed (donated) the cache but before the engine got the
+  new one back used to leave every later call failing with 'Array has been deleted'."""
+  config = EngineConfig(max_batch_size=2, max_seq_len=32, page_size=4, attention_impl="xla")
+  prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+  expected = Generator(model, config).generate(prompts, max_new_tokens=6, stop_token_ids=())
+  engine = Generator(model, config)
+  real_step = engine_module.decode_step
+  calls = []
+
+  def interrupted_step(*args, **kwargs):
+    calls.append(1)
+    result = real_step(*args, **kwargs)  # consumes the donated cache...
+    if len(calls) == 2:
+      raise KeyboardInterrupt  # ...and is interrupted before the engine stores the new one
+    return result
+
+  monkeypatch.setattr(engine_module, "decode_step", interrupted_step)
+  with pytest.raises(KeyboardInterrupt):
+    engine.generate(prompts, max_new_tokens=6, stop_token_ids=())
+  monkeypatch.setattr(engine_module, "decode_step", real_step)
+  assert engine.allocator.num_free == engine.config.total_pages  # no page leaked
+  again = engine.generate(prompts, max_new_tokens=6, stop_token_ids=())
+  assert again.tokens == expected.tokens  # nothing of the interrupted run leaks into this one
+
+
+def test_requests_are_checked_as_a_whole_before_the_first_wave(model, monkeypatch):
+  """A bad request in a later wave used to be found only after the earlier waves ran."""
+  engine = Generator(
+    model,
+    EngineConfig(max_batch_size=1, max_seq_len=16, page_size=4, num_pages=3, attention_impl="xla"),
+  )
+  prefills = []
+  monkeypatch.setattr(engine_module, "prefill_step", lambda *a, **k: prefills.append(1))
+  good = [1, 2, 3]
+  with pytest.raises(OutOfPagesError, match="requests 2..2"):
+    engine.generate([good, good, [1] * 10], max_new_tokens=5)
+  with pytest.raises(ValueError, match="prompt 1 has token ids outside"):
+    engine.generate([good, [1, 128]], max_new_tokens=2)
+  with pytest.raises(ValueError, match="prompt 1 holds non-integer"):
+    engine.generate([good, [1.0, 2.0]], max_new_tokens=2)
+  assert prefills == []
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(max_new_tokens=-5), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(max_new_tokens=4, seed=2**70), "seed"),
+    (dict(max_new_tokens=4, stop_token_ids=[1.5]), "stop_token_ids"),
+    (dict(max_new_tokens=100_000), "max_seq_len"),
+  ],
+)
+def test_bad_generate_arguments_are_named(model, kwargs, message):
+  engine = Generator(model, EngineConfig(max_batch_size=1, max_seq_len=32, attention_impl="xla"))
+  with pytest.raises(ValueError, match=message):
+    engine.generate([[1, 2]], **kwargs)
+
+
+def test_max_position_embeddings_bounds_a_request(model):
+  small = GlmForCausalLM(tiny(max_position_embeddings=16), rngs=nnx.Rngs(0))
+  engine = Generator(small, EngineConfig(max_batch_size=1, max_seq_len=64, attention_impl="xla"))
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    engine.generate([[1, 2]], max_new_tokens=20)
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(num_pages=0), "num_pages"),
+    (dict(max_batch_size=2.5), "max_batch_size"),
+    (dict(page_size=True), "page_size"),
+    (dict(attention_impl="triton"), "attention_impl"),
+  ],
+)
+def test_bad_engine_config_is_named(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    EngineConfig(**kwargs)
+
+
+def test_out_of_range_token_ids_are_an_error_or_nan_never_another_token(model):
+  with pytest.raises(ValueError, match="input_ids must be token ids"):
+    model(jnp.asarray([[1, 128]]))
+  with pytest.raises(ValueError, match="input_ids must be token ids"):
+    model(jnp.asarray([[-1, 2]]))
+  # Under jit the ids are not concrete: the bad request's logits turn NaN (not another token's
+  # logits), and the other requests of the batch are untouched.
+  forward = jax.jit(lambda ids: model(ids))
+  logits = forward(jnp.asarray([[5, 7, 9], [5, 7, 128]]))
+  assert np.isnan(logits[1, 2]).all()
+  np.testing.assert_array_equal(logits[0], forward(jnp.asarray([[5, 7, 9], [5, 7, 1]]))[0])

@@ -46,3 +46,23 @@ def test_samples_follow_the_filtered_distribution():
 def test_bad_params_are_rejected(bad):
   with pytest.raises(ValueError):
     SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+  "field, value",
+  [
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", -0.1),
+    ("temperature", "0.7"),
+    ("top_k", 2.5),
+    ("top_k", True),
+    ("top_k", -1),
+    ("top_p", float("nan")),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+  ],
+)
+def test_bad_sampling_params_are_named(field, value):
+  with pytest.raises(ValueError, match=field):
+    SamplingParams(**{field: value})
