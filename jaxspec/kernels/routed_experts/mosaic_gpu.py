@@ -1,0 +1,408 @@
+"""Routed experts as two grouped-expert GEMMs in Pallas Mosaic GPU (Hopper: TMA + wgmma).
+
+Algorithm (the grouped-GEMM MoE of vLLM's fused_moe / ``moe_align_block_size``, with the tile
+table of tokamax's Mosaic GPU ragged_dot):
+
+1. Plan, in XLA on the device: the ``T * k`` routes are sorted by expert (out-of-range ids last),
+   ``x`` is gathered into that order (``xs [T * k + block_m, H]``), and every expert with ``c``
+   routes gets ``ceil(c / block_m)`` M tiles of ``block_m`` sorted rows each. A tile table lists,
+   for each used tile, its expert, its first sorted row and how many of its rows are the
+   expert's (the last tile of an expert is partial). Experts no route reaches have no tile, so
+   their weights are never read. The table has a static size, a bound on the tiles any routing
+   can need, ``(T * k + min(E, T * k) * (block_m - 1)) // block_m``; only the used prefix runs.
+2. Kernel ``gate_up``: one pass over ``w_gate[e]`` and ``w_up[e]`` per (tile, N block of I):
+   two wgmma accumulators over the same ``xs`` tile, ``silu(g) * u`` in the epilogue, rounded to
+   the weights' dtype, stored as ``act [T * k + block_m, I]``.
+3. Kernel ``down``: ``act`` tile @ ``w_down[e]`` per (tile, N block of H), float32 out,
+   ``y [T * k, H]``.
+4. Combine, in XLA: ``out[t] = sum_j weights[t, j] * y[position of (t, j)]`` in float32; one
+   fused gather-and-sum, so the ``[T * k, H]`` intermediate is written once and read once.
+
+Both kernels are persistent (jax's ``ragged_dot_mgpu``/``hopper_matmul_mgpu`` construct): one
+block per SM walks the (tile, N block) work items with ``plgpu.nd_loop`` (item ``i`` on SM
+``i % num_sms``; the number of items is read from the plan on the device, so unused tiles cost
+nothing), and each item streams its K dimension through ``plgpu.emit_pipeline``, a ring of
+``num_stages`` TMA-filled shared-memory slots feeding wgmma. Items are ordered tile-major (the N
+blocks of one tile are consecutive), so the tiles of one expert run at the same time on
+neighbouring SMs and share each weight block through L2. At decode sizes (a few rows per expert)
+the kernels stream weights: the N blocks are chosen so that the items cover every SM
+(``default_config``). At prefill sizes they are wgmma bound and every M tile is full but the
+last of each expert.
+
+A tile starts at an arbitrary sorted row, so the rows past an expert's count belong to the next
+expert (or, at the end, to the padding rows of ``xs``/``act``, never written by the plan or the
+kernels). Their output rows are computed and discarded: the store writes only the tile's own
+rows, with a ladder of power-of-two TMA stores (64, 32, ..., 1 rows, as jax's
+``ragged_dot_mgpu``). A wgmma output row depends only on its own input row, so whatever the
+padding rows hold (NaN included) stays in discarded rows.
+
+Numerics: float32 accumulation in both GEMMs; the activation is rounded to the weights' dtype
+before the down projection (as the reference); the combine is float32. ``silu`` uses the fast
+``exp`` (``approx_math``), so an activation can differ from the reference by one rounding step.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxspec.kernels.dispatch import num_sms, validate_config_fields
+from jaxspec.kernels.routed_experts.reference import combine_routes, sort_routes
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ROWS_PER_WGMMA = 64  # the wgmma M of one warpgroup
+ROW_ALIGN = 8  # buffer rows of a tile start at multiples of the 8-row SMEM tiling
+SMEM_BYTES = 227 * 1024  # usable shared memory per SM on Hopper
+# Accumulator elements per block (all accumulators of a kernel together): 64 float32 registers
+# per thread of the warpgroup at most, so the epilogue and the addressing keep their registers.
+MAX_ACC_ELEMENTS = 128 * 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static tuning knobs of the two kernels.
+
+  Attributes:
+    block_m: sorted rows per M tile (64 or 128); each expert's routes fill whole tiles but its
+      last, so small values waste less at decode sizes and large ones reuse weights more.
+    block_n_gate_up: N block of the gate/up kernel (over I), a multiple of 64 dividing I.
+    block_n_down: N block of the down kernel (over H), a multiple of 64 dividing H.
+    block_k: K step of both pipelines, a multiple of 64 dividing H and I.
+    num_stages: shared-memory slots of each pipeline (TMA copies in flight).
+    num_sms: SMs the persistent grid covers; ``None`` asks the device.
+  """
+
+  block_m: int = 64
+  block_n_gate_up: int = 128
+  block_n_down: int = 128
+  block_k: int = 64
+  num_stages: int = 4
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "num_stages")
+    validate_config_fields(self, positive=fields)
+    if self.block_m not in (64, 128):
+      raise ValueError(f"TuningConfig.block_m must be 64 or 128, got {self.block_m}")
+    for name in ("block_n_gate_up", "block_n_down", "block_k"):
+      if getattr(self, name) % 64:
+        raise ValueError(f"TuningConfig.{name} must be a multiple of 64, got {getattr(self, name)}")
+    if self.num_stages < 2:
+      raise ValueError(f"TuningConfig.num_stages must be at least 2, got {self.num_stages}")
+
+
+def max_tiles(num_routes: int, num_experts: int, block_m: int) -> int:
+  """M tiles any routing of ``num_routes`` routes over ``num_experts`` experts can need.
+
+  ``sum_e ceil(c_e / m) <= (sum_e c_e + n * (m - 1)) / m`` over the ``n <= min(E, T * k)``
+  experts with a route.
+  """
+  return (num_routes + min(num_experts, num_routes) * (block_m - 1)) // block_m
+
+
+def _pick_block_n(size: int, tiles: int, sms: int, candidates: tuple[int, ...]) -> int:
+  """The largest N block of ``candidates`` dividing ``size`` whose items fill every SM twice,
+  else the one with the most items (the smallest)."""
+  fitting = [b for b in candidates if size % b == 0]
+  for block in sorted(fitting, reverse=True):
+    if tiles * (size // block) >= 2 * sms:
+      return block
+  return min(fitting) if fitting else candidates[-1]
+
+
+def default_config(
+  num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+) -> TuningConfig:
+  """Heuristic defaults from the shapes (host-side numbers only).
+
+  ``block_m`` 64: at decode sizes a tile holds a few routes, and 64 rows is the smallest wgmma M.
+  The N blocks are as large as the register budget allows (128 for the two gate/up
+  accumulators) unless the expected used tiles (``min(T * k, E)`` experts at least, ``T * k /
+  64`` tiles at most) would leave SMs idle: then smaller blocks split each expert over more SMs.
+  """
+  routes = num_tokens * top_k
+  tiles = max(min(routes, num_experts), routes // ROWS_PER_WGMMA)
+  sms = num_sms(None)
+  return TuningConfig(
+    block_m=64,
+    block_n_gate_up=_pick_block_n(intermediate, tiles, sms, (128, 64)),
+    block_n_down=_pick_block_n(hidden, tiles, sms, (256, 128, 64)),
+    block_k=64,
+    num_stages=4,
+  )
+
+
+def _smem_bytes(block_m, block_n, block_k, num_stages, num_rhs, itemsize, out_itemsize) -> int:
+  ring = num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
+  return ring + block_m * block_n * out_itemsize
+
+
+def unsupported_reason(
+  x, expert_ids, weights, w_gate, w_up, w_down, *, config: TuningConfig
+) -> str | None:
+  """Why the kernels cannot serve these inputs with ``config``, or ``None`` when they can."""
+  del x, expert_ids, weights, w_up, w_down  # any values the api accepts are served
+  _, hidden, intermediate = w_gate.shape
+  dtype = jnp.dtype(w_gate.dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    return f"the Mosaic GPU kernels need bf16 or fp16 expert weights, got {dtype}"
+  for name, size in (("H", hidden), ("I", intermediate)):
+    if size % config.block_k:
+      return f"{name}={size} must be a multiple of block_k={config.block_k}"
+  if intermediate % config.block_n_gate_up:
+    return f"I={intermediate} must be a multiple of block_n_gate_up={config.block_n_gate_up}"
+  if hidden % config.block_n_down:
+    return f"H={hidden} must be a multiple of block_n_down={config.block_n_down}"
+  for kernel, block_n, num_rhs, out_itemsize in (
+    ("gate_up", config.block_n_gate_up, 2, dtype.itemsize),
+    ("down", config.block_n_down, 1, 4),
+  ):
+    if num_rhs * config.block_m * block_n > MAX_ACC_ELEMENTS:
+      return (
+        f"the {kernel} kernel's accumulators ({num_rhs} x {config.block_m} x {block_n}) exceed "
+        f"{MAX_ACC_ELEMENTS} float32 elements (the register budget)"
+      )
+    smem = _smem_bytes(
+      config.block_m,
+      block_n,
+      config.block_k,
+      config.num_stages,
+      num_rhs,
+      dtype.itemsize,
+      out_itemsize,
+    )
+    if smem > SMEM_BYTES:
+      return f"the {kernel} kernel needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
+  return None
+
+
+def route_rows(num_routes: int, num_experts: int) -> int:
+  """Rows of the sorted buffers for any routing: each expert's span is rounded up to 8 rows."""
+  padded = num_routes + min(num_experts, num_routes) * (ROW_ALIGN - 1)
+  return -(-padded // ROW_ALIGN) * ROW_ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutePlan:
+  """Where each route's rows live in the sorted buffers, and the M tiles over them.
+
+  Attributes:
+    route_of_row: int32 [rows], the route (``t * k + j``) of each buffer row, -1 for padding.
+    position: int32 [T * k], the buffer row of each route (0 for dropped routes).
+    valid: bool [T * k], whether the route's expert id is in ``[0, E)``.
+    num_tiles: int32 [1], the used M tiles.
+    table: int32 [3, max_tiles]: each tile's expert, first buffer row, and rows to store (a
+      multiple of 8; 0 for unused slots). Used tiles come first.
+  """
+
+  route_of_row: jax.Array
+  position: jax.Array
+  valid: jax.Array
+  num_tiles: jax.Array
+  table: jax.Array
+
+
+def plan_routes(expert_ids: jax.Array, num_experts: int, block_m: int, rows: int) -> RoutePlan:
+  """Sorts the routes by expert into ``rows`` buffer rows and lists the tiles (XLA, on device).
+
+  Expert ``e`` with ``c`` valid routes owns the span of ``ceil(c / 8) * 8`` rows starting at a
+  multiple of 8 (a TMA copy into 8-row-tiled shared memory must start on a tile row); its
+  routes fill the span in token order, the rest of the span is padding. The span is cut into
+  ``ceil(c / block_m)`` M tiles. Routes with ids outside ``[0, E)`` get no row.
+  """
+  num_routes = expert_ids.size
+  order, valid, counts = sort_routes(expert_ids, num_experts)
+  spans = lax.div(counts + (ROW_ALIGN - 1), ROW_ALIGN) * ROW_ALIGN  # [E]
+  span_start = jnp.cumsum(spans) - spans  # [E], first row of each expert
+  expert_of_sorted = jnp.clip(expert_ids.reshape(-1)[order], 0, num_experts - 1)  # [T * k]
+  rank = jnp.arange(num_routes, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[expert_of_sorted]
+  valid_sorted = valid[order]
+  row_of_sorted = jnp.where(valid_sorted, span_start[expert_of_sorted] + rank, rows)
+  row_or_zero = jnp.where(valid_sorted, row_of_sorted, 0)
+  position = jnp.zeros((num_routes,), jnp.int32).at[order].set(row_or_zero)
+  route_of_row = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
+
+  tiles = lax.div(counts + (block_m - 1), block_m)  # [E]
+  tile_end = jnp.cumsum(tiles)  # [E], one past each expert's last tile
+  slot = jnp.arange(max_tiles(num_routes, num_experts, block_m), dtype=jnp.int32)
+  # The expert of tile `slot`: how many experts end at or before it (E for unused slots).
+  expert = jnp.sum(tile_end[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)
+  expert = jnp.minimum(expert, num_experts - 1)
+  local = slot - (tile_end - tiles)[expert]  # the tile's index within its expert
+  row_start = span_start[expert] + local * block_m
+  tile_rows = jnp.clip(spans[expert] - local * block_m, 0, block_m)
+  table = jnp.stack([expert, row_start, tile_rows]).astype(jnp.int32)
+  return RoutePlan(route_of_row, position, valid, tile_end[-1:].astype(jnp.int32), table)
+
+
+def _grouped_matmul(
+  lhs: jax.Array,  # [L, K], sorted rows (L >= every tile's first row + block_m)
+  rhs: tuple[jax.Array, ...],  # each [E, K, N]
+  num_tiles: jax.Array,  # int32 [1]
+  table: jax.Array,  # int32 [3, S], see plan_tiles
+  *,
+  out_rows: int,
+  out_dtype,
+  epilogue: Callable[..., jax.Array],
+  block_m: int,
+  block_n: int,
+  block_k: int,
+  num_stages: int,
+  grid_sms: int,
+  name: str,
+  interpret: bool,
+) -> jax.Array:  # [out_rows, N], out_dtype; only the tiles' own rows are written
+  """One persistent kernel: for every used tile t and N block n,
+  ``out[rows of t, n] = epilogue(*(lhs[rows of t] @ w[expert of t][:, n] for w in rhs))``."""
+  contraction = lhs.shape[1]
+  n_blocks = rhs[0].shape[2] // block_n
+  swizzle = plgpu.find_swizzle(block_k * jnp.dtype(lhs.dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
+  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+  def body(num_tiles_ref, table_ref, lhs_ref, *refs):
+    rhs_refs, out_ref = refs[:-1], refs[-1]
+
+    @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
+    def _item(loop_info):
+      (item,) = loop_info.index
+      tile = lax.div(item, n_blocks)
+      n_block = lax.rem(item, n_blocks)
+      expert = table_ref[0, tile]
+      row_start = pl.multiple_of(table_ref[1, tile], ROW_ALIGN)  # see plan_routes
+      rows = table_ref[2, tile]
+
+      def accumulate(*acc_refs):
+        def step(_, lhs_smem, *rhs_smems):
+          for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
+            plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+          # The previous step's wgmmas are done: the pipeline may refill its slot
+          # (delay_release=1), while this step's run on.
+          plgpu.wgmma_wait(len(acc_refs))
+
+        lhs_spec = plgpu.BlockSpec(
+          (block_m, block_k), lambda k: (0, k), transforms=transforms, delay_release=1
+        )
+        rhs_spec = plgpu.BlockSpec(
+          (block_k, block_n), lambda k: (k, n_block), transforms=transforms, delay_release=1
+        )
+        plgpu.emit_pipeline(
+          step,
+          grid=(contraction // block_k,),
+          in_specs=[lhs_spec] + [rhs_spec] * len(rhs_refs),
+          max_concurrent_steps=num_stages,
+        )(lhs_ref.at[pl.ds(row_start, block_m)], *(ref.at[expert] for ref in rhs_refs))
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+      accs = pl.run_scoped(
+        accumulate, *(plgpu.ACC((block_m, block_n), jnp.float32) for _ in rhs_refs)
+      )
+      result = epilogue(*accs).astype(out_dtype)  # [block_m, block_n]
+
+      # Unswizzled so that any row offset can be sliced for the ladder of stores.
+      @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((block_m, block_n), out_dtype))
+      def _store(out_smem):
+        out_smem[...] = result
+        plgpu.commit_smem()
+        columns = pl.ds(n_block * block_n, block_n)
+        offset = 0  # static for the first (largest) store, traced after
+        size = block_m
+        while size >= ROW_ALIGN:  # rows (a multiple of 8) in binary: one TMA store per set bit
+          part = rows & size
+
+          @pl.when(part != 0)
+          def _copy():
+            plgpu.copy_smem_to_gmem(  # noqa: B023 (runs at once)
+              out_smem.at[pl.ds(offset, size)],  # noqa: B023
+              out_ref.at[pl.ds(row_start + offset, size), columns],  # noqa: B023
+            )
+
+          offset = offset + part
+          size //= 2
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is reused by the next item
+
+  out_type = jax.ShapeDtypeStruct((out_rows, rhs[0].shape[2]), out_dtype)
+  return plgpu.kernel(
+    body,
+    out_type=out_type,
+    grid=(grid_sms,),
+    grid_names=("sm",),
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
+    kernel_name=name,
+  )(num_tiles, table, lhs, *rhs)
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """``silu(g) * u`` in float32 (``silu(g) = g / (1 + exp(-g))``)."""
+  return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "padding_value"))
+def routed_experts_mosaic_gpu(
+  x: jax.Array,  # [T, H]
+  expert_ids: jax.Array,  # int32 [T, k]
+  weights: jax.Array,  # f32 [T, k]
+  w_gate: jax.Array,  # [E, H, I]
+  w_up: jax.Array,  # [E, H, I]
+  w_down: jax.Array,  # [E, I, H]
+  *,
+  config: TuningConfig,
+  interpret: bool = False,
+  padding_value: float = 0.0,
+) -> jax.Array:  # [T, H], x.dtype
+  """Plan, gate/up kernel, down kernel, combine (module docstring; inputs checked by the api).
+
+  ``padding_value`` fills the rows of ``xs`` that belong to no valid route (the tail read by
+  the last tiles, and the rows of dropped routes); tests set it to NaN to show that such rows
+  never reach the output.
+  """
+  num_tokens, top_k = expert_ids.shape
+  num_experts, hidden, _ = w_gate.shape
+  num_routes = num_tokens * top_k
+  block_m = config.block_m
+  dtype = w_gate.dtype
+  grid_sms = num_sms(config.num_sms)
+
+  rows = route_rows(num_routes, num_experts)
+  plan = plan_routes(expert_ids, num_experts, block_m, rows)
+  # xs [rows + block_m, H]: x in buffer-row order. The block_m rows of tail keep every tile's
+  # rows inside the buffer; they and the spans' padding rows hold padding_value.
+  route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((block_m,), -1, jnp.int32)])
+  token_of_row = lax.div(jnp.maximum(route_of_row, 0), top_k)
+  xs = jnp.where((route_of_row >= 0)[:, None], x.astype(dtype)[token_of_row], padding_value)
+  tiling = dict(block_m=block_m, block_k=config.block_k, num_stages=config.num_stages)
+  act = _grouped_matmul(
+    xs,
+    (w_gate, w_up),
+    plan.num_tiles,
+    plan.table,
+    out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
+    out_dtype=dtype,
+    epilogue=_swiglu,
+    block_n=config.block_n_gate_up,
+    grid_sms=grid_sms,
+    name="routed_experts_gate_up",
+    interpret=interpret,
+    **tiling,
+  )  # [rows + block_m, I]
+  y = _grouped_matmul(
+    act,
+    (w_down,),
+    plan.num_tiles,
+    plan.table,
+    out_rows=rows,
+    out_dtype=jnp.float32,
+    epilogue=lambda down: down,
+    block_n=config.block_n_down,
+    grid_sms=grid_sms,
+    name="routed_experts_down",
+    interpret=interpret,
+    **tiling,
+  )  # f32 [rows, H]
+  return combine_routes(y, plan.position, plan.valid, weights).astype(x.dtype)
