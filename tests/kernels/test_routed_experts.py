@@ -92,6 +92,33 @@ CASES = {
     _skewed_ids,
     TuningConfig(block_m=128, block_n_gate_up=64, block_n_down=128, block_k=128, num_sms=2),
   ),
+  # A producer warpgroup and two consumer warpgroups, splitting N blocks or M tiles.
+  "two_warpgroups_split_n": (
+    30,
+    2,
+    8,
+    128,
+    128,
+    _skewed_ids,
+    TuningConfig(warpgroups=2, block_n_gate_up=128, block_n_down=128, num_sms=3),
+  ),
+  "two_warpgroups_split_m": (
+    75,
+    2,
+    8,
+    128,
+    128,
+    _skewed_ids,
+    TuningConfig(
+      warpgroups=2,
+      warpgroup_split="m",
+      block_m=128,
+      block_n_gate_up=64,
+      block_n_down=64,
+      num_stages=2,
+      num_sms=2,
+    ),
+  ),
 }
 
 
@@ -199,6 +226,9 @@ def test_tuning_config_is_validated():
     ({"block_n_down": 96}, "block_n_down must be a multiple of 64"),
     ({"num_stages": 1}, "num_stages must be at least 2"),
     ({"num_sms": 0}, "num_sms must be a positive int"),
+    ({"warpgroups": 3}, "warpgroups must be 1 or 2"),
+    ({"warpgroups": 2, "warpgroup_split": "m"}, "needs block_m=128"),
+    ({"warpgroups": 2, "block_n_down": 64}, "block_n_down to be a multiple of 128"),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -218,6 +248,9 @@ def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
   too_big = TuningConfig(block_m=128, block_n_gate_up=128)  # 2 x 128 x 128 accumulators
   with pytest.raises(ValueError, match="accumulators"):
     routed_experts(*args, impl="pallas", interpret=True, config=too_big)
+  one_k_step = TuningConfig(warpgroups=2, block_k=128)
+  with pytest.raises(ValueError, match="two K steps"):
+    routed_experts(*args, impl="pallas", interpret=True, config=one_k_step)
 
 
 def test_route_plan_covers_every_route_once():

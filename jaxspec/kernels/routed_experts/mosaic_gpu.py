@@ -68,12 +68,18 @@ class TuningConfig:
   """Static tuning knobs of the two kernels.
 
   Attributes:
-    block_m: sorted rows per M tile (64 or 128); each expert's routes fill whole tiles but its
+    block_m: buffer rows per M tile (64 or 128); each expert's routes fill whole tiles but its
       last, so small values waste less at decode sizes and large ones reuse weights more.
     block_n_gate_up: N block of the gate/up kernel (over I), a multiple of 64 dividing I.
     block_n_down: N block of the down kernel (over H), a multiple of 64 dividing H.
     block_k: K step of both pipelines, a multiple of 64 dividing H and I.
     num_stages: shared-memory slots of each pipeline (TMA copies in flight).
+    warpgroups: 1: one warpgroup copies and multiplies (``plgpu.emit_pipeline``); 2: a producer
+      warpgroup copies and two consumer warpgroups multiply
+      (``plgpu.emit_pipeline_warp_specialized``).
+    warpgroup_split: with two consumer warpgroups, how they share a block: "n" (each takes half
+      of the N block, which must then be a multiple of 128) or "m" (each takes 64 rows of a
+      ``block_m`` = 128 tile).
     num_sms: SMs the persistent grid covers; ``None`` asks the device.
   """
 
@@ -82,10 +88,12 @@ class TuningConfig:
   block_n_down: int = 128
   block_k: int = 64
   num_stages: int = 4
+  warpgroups: int = 1
+  warpgroup_split: str = "n"
   num_sms: int | None = None
 
   def __post_init__(self):
-    fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "num_stages")
+    fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "num_stages", "warpgroups")
     validate_config_fields(self, positive=fields)
     if self.block_m not in (64, 128):
       raise ValueError(f"TuningConfig.block_m must be 64 or 128, got {self.block_m}")
@@ -94,6 +102,29 @@ class TuningConfig:
         raise ValueError(f"TuningConfig.{name} must be a multiple of 64, got {getattr(self, name)}")
     if self.num_stages < 2:
       raise ValueError(f"TuningConfig.num_stages must be at least 2, got {self.num_stages}")
+    if self.warpgroups not in (1, 2):
+      raise ValueError(f"TuningConfig.warpgroups must be 1 or 2, got {self.warpgroups}")
+    if self.warpgroup_split not in ("n", "m"):
+      raise ValueError(
+        f"TuningConfig.warpgroup_split must be 'n' or 'm', got {self.warpgroup_split!r}"
+      )
+    if self.warpgroups == 2 and self.warpgroup_split == "m" and self.block_m != 128:
+      raise ValueError("TuningConfig.warpgroup_split='m' needs block_m=128 (64 rows per warpgroup)")
+    if self.warpgroups == 2 and self.warpgroup_split == "n":
+      for name in ("block_n_gate_up", "block_n_down"):
+        if getattr(self, name) % 128:
+          raise ValueError(
+            f"TuningConfig.warpgroup_split='n' needs {name} to be a multiple of 128 (64 columns "
+            f"per warpgroup at least), got {getattr(self, name)}"
+          )
+
+  def accumulator_shape(self, block_n: int) -> tuple[int, int]:
+    """The [rows, columns] accumulated by one consumer warpgroup for an N block of ``block_n``."""
+    if self.warpgroups == 1:
+      return (self.block_m, block_n)
+    if self.warpgroup_split == "m":
+      return (self.block_m // 2, block_n)
+    return (self.block_m, block_n // 2)
 
 
 def max_tiles(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -154,6 +185,9 @@ def unsupported_reason(
   for name, size in (("H", hidden), ("I", intermediate)):
     if size % config.block_k:
       return f"{name}={size} must be a multiple of block_k={config.block_k}"
+    if config.warpgroups == 2 and size < 2 * config.block_k:
+      # The warp-specialized pipeline releases each slot one step late (delay_release=1).
+      return f"two warpgroups need {name}={size} to span two K steps of block_k={config.block_k}"
   if intermediate % config.block_n_gate_up:
     return f"I={intermediate} must be a multiple of block_n_gate_up={config.block_n_gate_up}"
   if hidden % config.block_n_down:
@@ -162,10 +196,11 @@ def unsupported_reason(
     ("gate_up", config.block_n_gate_up, 2, dtype.itemsize),
     ("down", config.block_n_down, 1, 4),
   ):
-    if num_rhs * config.block_m * block_n > MAX_ACC_ELEMENTS:
+    rows, columns = config.accumulator_shape(block_n)
+    if num_rhs * rows * columns > MAX_ACC_ELEMENTS:
       return (
-        f"the {kernel} kernel's accumulators ({num_rhs} x {config.block_m} x {block_n}) exceed "
-        f"{MAX_ACC_ELEMENTS} float32 elements (the register budget)"
+        f"the {kernel} kernel's accumulators ({num_rhs} x {rows} x {columns} per warpgroup) "
+        f"exceed {MAX_ACC_ELEMENTS} float32 elements (the register budget)"
       )
     smem = _smem_bytes(
       config.block_m,
@@ -240,98 +275,193 @@ def plan_routes(expert_ids: jax.Array, num_experts: int, block_m: int, rows: int
   return RoutePlan(route_of_row, position, valid, tile_end[-1:].astype(jnp.int32), table)
 
 
+def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> None:
+  """Copies the first ``rows`` rows of ``out_smem`` to ``out_ref[row_start:, columns]``.
+
+  ``rows`` (a multiple of 8, at most ``max_rows``) is only known on the device, and a TMA copy
+  has a static shape: one copy per set bit of ``rows``, largest first (jax's ragged_dot_mgpu).
+  ``out_smem`` is unswizzled so that any multiple-of-8 row offset can be sliced.
+  """
+  offset = 0  # static for the first (largest) copy, traced after
+  size = max_rows
+  while size >= ROW_ALIGN:
+    part = rows & size
+
+    @pl.when(part != 0)
+    def _copy():
+      plgpu.copy_smem_to_gmem(  # runs at once, with this iteration's offset and size
+        out_smem.at[pl.ds(offset, size)],  # noqa: B023
+        out_ref.at[pl.ds(row_start + offset, size), columns],  # noqa: B023
+      )
+
+    offset = offset + part
+    size //= 2
+
+
 def _grouped_matmul(
   lhs: jax.Array,  # [L, K], sorted rows (L >= every tile's first row + block_m)
   rhs: tuple[jax.Array, ...],  # each [E, K, N]
   num_tiles: jax.Array,  # int32 [1]
-  table: jax.Array,  # int32 [3, S], see plan_tiles
+  table: jax.Array,  # int32 [3, S], see plan_routes
   *,
   out_rows: int,
   out_dtype,
   epilogue: Callable[..., jax.Array],
-  block_m: int,
   block_n: int,
-  block_k: int,
-  num_stages: int,
-  grid_sms: int,
+  config: TuningConfig,
   name: str,
   interpret: bool,
 ) -> jax.Array:  # [out_rows, N], out_dtype; only the tiles' own rows are written
   """One persistent kernel: for every used tile t and N block n,
-  ``out[rows of t, n] = epilogue(*(lhs[rows of t] @ w[expert of t][:, n] for w in rhs))``."""
-  contraction = lhs.shape[1]
+  ``out[rows of t, n] = epilogue(*(lhs[rows of t] @ w[expert of t][:, n] for w in rhs))``.
+
+  With ``config.warpgroups == 1`` one warpgroup issues the TMA copies and the wgmmas of a
+  ``plgpu.emit_pipeline`` per work item. With 2, a producer warpgroup issues the copies and two
+  consumer warpgroups split the block (``config.warpgroup_split``) in a
+  ``plgpu.emit_pipeline_warp_specialized`` per item (jax's ``hopper_matmul_mgpu``): the producer
+  moves on to the next item's first blocks while the consumers run the epilogue.
+  """
+  block_m, block_k = config.block_m, config.block_k
+  k_steps = lhs.shape[1] // block_k
   n_blocks = rhs[0].shape[2] // block_n
   swizzle = plgpu.find_swizzle(block_k * jnp.dtype(lhs.dtype).itemsize * 8)
   swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
   transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  lhs_spec = plgpu.BlockSpec(
+    (block_m, block_k), lambda k: (0, k), transforms=transforms, delay_release=1
+  )
 
-  def body(num_tiles_ref, table_ref, lhs_ref, *refs):
+  def rhs_specs(n_block):
+    spec = plgpu.BlockSpec(
+      (block_k, block_n), lambda k: (k, n_block), transforms=transforms, delay_release=1
+    )
+    return [spec] * len(rhs)
+
+  def work_item(table_ref, item):
+    """(N block, expert, first buffer row, rows to store) of work item ``item``."""
+    tile = lax.div(item, n_blocks)
+    row_start = pl.multiple_of(table_ref[1, tile], ROW_ALIGN)  # see plan_routes
+    return lax.rem(item, n_blocks), table_ref[0, tile], row_start, table_ref[2, tile]
+
+  def mma_step(acc_refs, lhs_smem, rhs_smems):
+    for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
+      plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+    # The previous step's wgmmas are complete, so its slot may be refilled (delay_release=1);
+    # this step's run on.
+    plgpu.wgmma_wait(len(acc_refs))
+
+  def single_warpgroup(num_tiles_ref, table_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
 
-    @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
-    def _item(loop_info):
-      (item,) = loop_info.index
-      tile = lax.div(item, n_blocks)
-      n_block = lax.rem(item, n_blocks)
-      expert = table_ref[0, tile]
-      row_start = pl.multiple_of(table_ref[1, tile], ROW_ALIGN)  # see plan_routes
-      rows = table_ref[2, tile]
+    @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((block_m, block_n), out_dtype))
+    def _scope(out_smem):
+      @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
+      def _item(loop_info):
+        n_block, expert, row_start, rows = work_item(table_ref, loop_info.index[0])
 
-      def accumulate(*acc_refs):
-        def step(_, lhs_smem, *rhs_smems):
-          for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
-            plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
-          # The previous step's wgmmas are done: the pipeline may refill its slot
-          # (delay_release=1), while this step's run on.
-          plgpu.wgmma_wait(len(acc_refs))
+        def accumulate(*acc_refs):
+          plgpu.emit_pipeline(
+            lambda _, lhs_smem, *rhs_smems: mma_step(acc_refs, lhs_smem, rhs_smems),
+            grid=(k_steps,),
+            in_specs=[lhs_spec, *rhs_specs(n_block)],
+            max_concurrent_steps=config.num_stages,
+          )(lhs_ref.at[pl.ds(row_start, block_m)], *(ref.at[expert] for ref in rhs_refs))
+          return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-        lhs_spec = plgpu.BlockSpec(
-          (block_m, block_k), lambda k: (0, k), transforms=transforms, delay_release=1
+        accs = pl.run_scoped(
+          accumulate, *(plgpu.ACC((block_m, block_n), jnp.float32) for _ in rhs_refs)
         )
-        rhs_spec = plgpu.BlockSpec(
-          (block_k, block_n), lambda k: (k, n_block), transforms=transforms, delay_release=1
-        )
-        plgpu.emit_pipeline(
-          step,
-          grid=(contraction // block_k,),
-          in_specs=[lhs_spec] + [rhs_spec] * len(rhs_refs),
-          max_concurrent_steps=num_stages,
-        )(lhs_ref.at[pl.ds(row_start, block_m)], *(ref.at[expert] for ref in rhs_refs))
-        return tuple(acc_ref[...] for acc_ref in acc_refs)
-
-      accs = pl.run_scoped(
-        accumulate, *(plgpu.ACC((block_m, block_n), jnp.float32) for _ in rhs_refs)
-      )
-      result = epilogue(*accs).astype(out_dtype)  # [block_m, block_n]
-
-      # Unswizzled so that any row offset can be sliced for the ladder of stores.
-      @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((block_m, block_n), out_dtype))
-      def _store(out_smem):
+        result = epilogue(*accs).astype(out_dtype)  # [block_m, block_n]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's copies are out
         out_smem[...] = result
         plgpu.commit_smem()
-        columns = pl.ds(n_block * block_n, block_n)
-        offset = 0  # static for the first (largest) store, traced after
-        size = block_m
-        while size >= ROW_ALIGN:  # rows (a multiple of 8) in binary: one TMA store per set bit
-          part = rows & size
+        _store_rows(out_smem, out_ref, rows, row_start, pl.ds(n_block * block_n, block_n), block_m)
 
-          @pl.when(part != 0)
-          def _copy():
-            plgpu.copy_smem_to_gmem(  # noqa: B023 (runs at once)
-              out_smem.at[pl.ds(offset, size)],  # noqa: B023
-              out_ref.at[pl.ds(row_start + offset, size), columns],  # noqa: B023
-            )
+      plgpu.wait_smem_to_gmem(0)
 
-          offset = offset + part
-          size //= 2
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is reused by the next item
+  split_m = config.warpgroup_split == "m"
+  wg_rows = block_m // 2 if split_m else block_m
+  wg_cols = block_n if split_m else block_n // 2
 
+  def warp_specialized(num_tiles_ref, table_ref, lhs_ref, *refs):
+    rhs_refs, out_ref = refs[:-1], refs[-1]
+
+    def pipeline(body, compute_context, n_block):
+      return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_steps,),
+        memory_registers=40,
+        in_specs=[lhs_spec, *rhs_specs(n_block)],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.num_stages,
+        compute_context=compute_context,
+      )
+
+    def ignore(*_, **__):
+      return None
+
+    # Allocated once for all items, so that items do not synchronise the warpgroups.
+    allocations = pipeline(ignore, ignore, 0).get_allocations(
+      lhs_ref.at[pl.ds(0, block_m)], *(ref.at[0] for ref in rhs_refs)
+    )
+
+    @functools.partial(
+      pl.run_scoped,
+      allocations=allocations,
+      out_smem=plgpu.SMEM((2, wg_rows, wg_cols), out_dtype),
+      collective_axes="wg",
+    )
+    def _scope(allocations, out_smem):
+      wg = lax.axis_index("wg")  # 0 and 1 compute, 2 produces
+      wg_row_slice = pl.ds(wg * wg_rows, wg_rows) if split_m else slice(None)
+      wg_col_slice = slice(None) if split_m else pl.ds(wg * wg_cols, wg_cols)
+
+      @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
+      def _item(loop_info):
+        n_block, expert, row_start, rows = work_item(table_ref, loop_info.index[0])
+
+        def compute_context(eval_pipeline):
+          @functools.partial(
+            pl.run_scoped, acc_refs=[plgpu.ACC((wg_rows, wg_cols)) for _ in rhs_refs]
+          )
+          def _accumulate(acc_refs):
+            eval_pipeline(acc_refs)
+            result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's copies
+            out_smem[wg] = result
+            plgpu.commit_smem()
+            if split_m:  # this warpgroup's rows of the tile
+              own_rows = jnp.clip(rows - wg * wg_rows, 0, wg_rows)
+              first_row, columns = row_start + wg * wg_rows, pl.ds(n_block * block_n, block_n)
+            else:  # this warpgroup's columns
+              own_rows, first_row = rows, row_start
+              columns = pl.ds(n_block * block_n + wg * wg_cols, wg_cols)
+            _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
+
+        def body(_, lhs_smem, *rhs_smems_and_accs):
+          *rhs_smems, acc_refs = rhs_smems_and_accs
+          rhs_smems = [rhs_smem.at[:, wg_col_slice] for rhs_smem in rhs_smems]
+          mma_step(acc_refs, lhs_smem.at[wg_row_slice], rhs_smems)
+          return acc_refs
+
+        pipeline(body, compute_context, n_block)(
+          lhs_ref.at[pl.ds(row_start, block_m)],
+          *(ref.at[expert] for ref in rhs_refs),
+          allocations=allocations,
+        )
+
+    plgpu.wait_smem_to_gmem(0)
+
+  specialized = config.warpgroups == 2
   out_type = jax.ShapeDtypeStruct((out_rows, rhs[0].shape[2]), out_dtype)
   return plgpu.kernel(
-    body,
+    warp_specialized if specialized else single_warpgroup,
     out_type=out_type,
-    grid=(grid_sms,),
+    grid=(num_sms(config.num_sms),),
     grid_names=("sm",),
+    num_threads=3 if specialized else None,
+    thread_name="wg" if specialized else None,
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
     kernel_name=name,
@@ -367,7 +497,6 @@ def routed_experts_mosaic_gpu(
   num_routes = num_tokens * top_k
   block_m = config.block_m
   dtype = w_gate.dtype
-  grid_sms = num_sms(config.num_sms)
 
   rows = route_rows(num_routes, num_experts)
   plan = plan_routes(expert_ids, num_experts, block_m, rows)
@@ -376,7 +505,6 @@ def routed_experts_mosaic_gpu(
   route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((block_m,), -1, jnp.int32)])
   token_of_row = lax.div(jnp.maximum(route_of_row, 0), top_k)
   xs = jnp.where((route_of_row >= 0)[:, None], x.astype(dtype)[token_of_row], padding_value)
-  tiling = dict(block_m=block_m, block_k=config.block_k, num_stages=config.num_stages)
   act = _grouped_matmul(
     xs,
     (w_gate, w_up),
@@ -386,10 +514,9 @@ def routed_experts_mosaic_gpu(
     out_dtype=dtype,
     epilogue=_swiglu,
     block_n=config.block_n_gate_up,
-    grid_sms=grid_sms,
+    config=config,
     name="routed_experts_gate_up",
     interpret=interpret,
-    **tiling,
   )  # [rows + block_m, I]
   y = _grouped_matmul(
     act,
@@ -400,9 +527,8 @@ def routed_experts_mosaic_gpu(
     out_dtype=jnp.float32,
     epilogue=lambda down: down,
     block_n=config.block_n_down,
-    grid_sms=grid_sms,
+    config=config,
     name="routed_experts_down",
     interpret=interpret,
-    **tiling,
   )  # f32 [rows, H]
   return combine_routes(y, plan.position, plan.valid, weights).astype(x.dtype)
