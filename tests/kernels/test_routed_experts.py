@@ -300,11 +300,29 @@ def test_matches_the_models_grouped_experts():
   )
 
 
-@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
-def test_kernel_lowers_for_cuda_at_glm45_air_shapes(num_tokens):
+GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}
+TWO_WARPGROUPS_N = TuningConfig(warpgroups=2, block_n_gate_up=128, block_n_down=256)
+TWO_WARPGROUPS_M = TuningConfig(
+  warpgroups=2, warpgroup_split="m", block_m=128, block_n_gate_up=128, block_n_down=128
+)
+
+
+@pytest.mark.parametrize(
+  ("shape", "num_tokens", "config"),
+  [
+    ("glm45_air", 1, None),
+    ("glm45_air", 64, None),
+    ("glm45_air", 2048, None),
+    ("glm45", 2048, None),
+    ("glm45_air", 64, TWO_WARPGROUPS_N),
+    ("glm45_air", 2048, TWO_WARPGROUPS_M),
+  ],
+)
+def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
   # Interpret mode is more permissive than the real lowering: lowering for CUDA (no GPU needed)
   # builds both kernels with their TMA copies, layouts and shared-memory budget.
-  top_k, num_experts, hidden, intermediate = 8, 128, 4096, 1408
+  top_k = 8
+  num_experts, hidden, intermediate = GLM_SHAPES[shape]
   shapes = [
     ((num_tokens, hidden), jnp.bfloat16),
     ((num_tokens, top_k), jnp.int32),
@@ -314,7 +332,8 @@ def test_kernel_lowers_for_cuda_at_glm45_air_shapes(num_tokens):
     ((num_experts, intermediate, hidden), jnp.bfloat16),
   ]
   args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-  config = mosaic_gpu.default_config(num_tokens, top_k, num_experts, hidden, intermediate)
+  if config is None:
+    config = mosaic_gpu.default_config(num_tokens, top_k, num_experts, hidden, intermediate)
   assert mosaic_gpu.unsupported_reason(*args, config=config) is None
   lowered = (
     jax.jit(lambda *a: mosaic_gpu.routed_experts_mosaic_gpu(*a, config=config))
@@ -334,9 +353,6 @@ def test_kernel_on_gpu_matches_float64_with_nan_padding(name):
   config = dataclasses.replace(config, num_sms=None)
   out = mosaic_gpu.routed_experts_mosaic_gpu(*args, config=config, padding_value=float("nan"))
   assert_close(out, numpy_oracle(*args))
-
-
-GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}
 
 
 def _relative_rms(out, want):
@@ -365,11 +381,16 @@ def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens):
     TuningConfig(block_m=128, block_n_gate_up=64, block_n_down=128),
     TuningConfig(block_k=128, num_stages=3),
     TuningConfig(block_n_gate_up=64, block_n_down=256, num_stages=2),
+    TWO_WARPGROUPS_N,
+    TWO_WARPGROUPS_M,
+    dataclasses.replace(TWO_WARPGROUPS_M, num_stages=3),
   ],
 )
-def test_tuning_configs_on_gpu_match_xla(config):
+@pytest.mark.parametrize("num_tokens", [5, 300])
+def test_tuning_configs_on_gpu_match_xla(config, num_tokens):
   num_experts, hidden, intermediate = GLM_SHAPES["glm45_air"]
-  args = make_inputs(np.random.default_rng(1), 300, 8, num_experts, hidden, intermediate)
+  args = make_inputs(np.random.default_rng(1), num_tokens, 8, num_experts, hidden, intermediate)
   out = routed_experts(*args, impl="pallas", config=config)
   want = routed_experts(*args, impl="xla")
+  assert np.isfinite(np.asarray(out, np.float32)).all()
   assert _relative_rms(out, want) < RTOL
