@@ -1,6 +1,7 @@
 """routed_experts: XLA path and Mosaic GPU kernels against a float64 NumPy oracle."""
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -149,19 +150,16 @@ def test_xla_matches_float64(name):
   assert_close(out, numpy_oracle(*args))
 
 
-def test_api_runs_the_kernel_and_matches_xla():
+def test_api_runs_the_kernel_on_float32_tokens_like_xla():
+  # x is cast to the weights' dtype on every path; the result keeps x's dtype.
   args, config = case_inputs("all_to_one_expert_k1")
-  kernel = routed_experts(*args, impl="pallas", interpret=True, config=config)
-  xla = routed_experts(*args, impl="xla")
-  assert_close(kernel, np.asarray(xla, np.float64))
-
-
-def test_float32_tokens_keep_their_dtype():
-  args, config = case_inputs("one_token_k8_e8")
   x = args[0].astype(jnp.float32)
-  out = routed_experts(x, *args[1:], impl="pallas", interpret=True, config=config)
-  assert out.dtype == jnp.float32
-  assert_close(out, numpy_oracle(x, *args[1:]))
+  kernel = routed_experts(x, *args[1:], impl="pallas", interpret=True, config=config)
+  xla = routed_experts(x, *args[1:], impl="xla")
+  assert kernel.dtype == xla.dtype == jnp.float32
+  want = numpy_oracle(x, *args[1:])
+  assert_close(kernel, want)
+  assert_close(xla, want)
 
 
 def _out_of_range_inputs():
@@ -360,13 +358,46 @@ def _relative_rms(out, want):
   return np.sqrt(np.mean((out - want) ** 2) / np.mean(want**2))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 16, 64, 384, 2048])
-@pytest.mark.parametrize("shape", list(GLM_SHAPES))
-def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens):
+@functools.cache
+def glm_weights(shape):
+  """Expert weights at a GLM shape, drawn on the device (NumPy would take minutes), kept for
+  the module's tests."""
   num_experts, hidden, intermediate = GLM_SHAPES[shape]
-  rng = np.random.default_rng(num_tokens)
-  args = make_inputs(rng, num_tokens, 8, num_experts, hidden, intermediate)
+  keys = jax.random.split(jax.random.key(zlib.crc32(shape.encode())), 3)
+  scales = (hidden**-0.5, hidden**-0.5, intermediate**-0.5)
+  shapes = [(num_experts, hidden, intermediate)] * 2 + [(num_experts, intermediate, hidden)]
+  return tuple(
+    jax.random.normal(key, size, jnp.bfloat16) * jnp.bfloat16(scale)
+    for key, size, scale in zip(keys, shapes, scales, strict=True)
+  )
+
+
+def glm_inputs(shape, num_tokens, skewed=False):
+  """Fresh tokens, top-8 routing (uniform, or every token to expert 0) and routing weights."""
+  num_experts, hidden, _ = GLM_SHAPES[shape]
+  rng = np.random.default_rng(num_tokens + 7 * skewed)
+  if skewed:
+    ids = _skewed_ids(rng, num_tokens, 8, num_experts)
+  else:
+    ids = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :8]
+  x = jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), (num_tokens, hidden))
+  weights = rng.uniform(0.05, 1.0, (num_tokens, 8))
+  return (
+    x.astype(jnp.bfloat16),
+    jnp.asarray(ids, jnp.int32),
+    jnp.asarray(weights, jnp.float32),
+    *glm_weights(shape),
+  )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  ("num_tokens", "skewed"), [(1, False), (16, False), (64, False), (384, False), (2048, True)]
+)
+@pytest.mark.parametrize("shape", list(GLM_SHAPES))
+def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens, skewed):
+  # Skewed: expert 0 takes all 2048 tokens (32 full tiles), the last expert none.
+  args = glm_inputs(shape, num_tokens, skewed)
   out = routed_experts(*args, impl="pallas")
   want = routed_experts(*args, impl="xla")
   assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -386,10 +417,8 @@ def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens):
     dataclasses.replace(TWO_WARPGROUPS_M, num_stages=3),
   ],
 )
-@pytest.mark.parametrize("num_tokens", [5, 300])
-def test_tuning_configs_on_gpu_match_xla(config, num_tokens):
-  num_experts, hidden, intermediate = GLM_SHAPES["glm45_air"]
-  args = make_inputs(np.random.default_rng(1), num_tokens, 8, num_experts, hidden, intermediate)
+def test_tuning_configs_on_gpu_match_xla(config):
+  args = glm_inputs("glm45_air", 300)
   out = routed_experts(*args, impl="pallas", config=config)
   want = routed_experts(*args, impl="xla")
   assert np.isfinite(np.asarray(out, np.float32)).all()

@@ -1,40 +1,43 @@
 """Routed experts as two grouped-expert GEMMs in Pallas Mosaic GPU (Hopper: TMA + wgmma).
 
-Algorithm (the grouped-GEMM MoE of vLLM's fused_moe / ``moe_align_block_size``, with the tile
-table of tokamax's Mosaic GPU ragged_dot):
+Algorithm (the grouped-GEMM MoE of vLLM's fused_moe / ``moe_align_block_size``, with the
+device-side tile table of tokamax's Mosaic GPU ragged_dot):
 
-1. Plan, in XLA on the device: the ``T * k`` routes are sorted by expert (out-of-range ids last),
-   ``x`` is gathered into that order (``xs [T * k + block_m, H]``), and every expert with ``c``
-   routes gets ``ceil(c / block_m)`` M tiles of ``block_m`` sorted rows each. A tile table lists,
-   for each used tile, its expert, its first sorted row and how many of its rows are the
-   expert's (the last tile of an expert is partial). Experts no route reaches have no tile, so
-   their weights are never read. The table has a static size, a bound on the tiles any routing
-   can need, ``(T * k + min(E, T * k) * (block_m - 1)) // block_m``; only the used prefix runs.
+1. Plan, in XLA on the device (``plan_routes``): the ``T * k`` routes are sorted by expert
+   (out-of-range ids dropped). Expert ``e`` with ``c`` routes owns a span of ``ceil(c / 8) * 8``
+   buffer rows starting at a multiple of 8 (a TMA copy into 8-row-tiled shared memory must start
+   on a tile row), cut into ``ceil(c / block_m)`` M tiles. ``x`` is gathered into buffer-row
+   order, ``xs [rows + block_m, H]`` with ``rows = route_rows(T * k, E)``. A tile table lists
+   each used tile's expert, first buffer row and rows to store; experts no route reaches have no
+   tile, so their weights are never read. The table has a static size, a bound on the tiles any
+   routing can need (``max_tiles``); only its used prefix runs.
 2. Kernel ``gate_up``: one pass over ``w_gate[e]`` and ``w_up[e]`` per (tile, N block of I):
    two wgmma accumulators over the same ``xs`` tile, ``silu(g) * u`` in the epilogue, rounded to
-   the weights' dtype, stored as ``act [T * k + block_m, I]``.
+   the weights' dtype, stored as ``act [rows + block_m, I]``.
 3. Kernel ``down``: ``act`` tile @ ``w_down[e]`` per (tile, N block of H), float32 out,
-   ``y [T * k, H]``.
-4. Combine, in XLA: ``out[t] = sum_j weights[t, j] * y[position of (t, j)]`` in float32; one
-   fused gather-and-sum, so the ``[T * k, H]`` intermediate is written once and read once.
+   ``y [rows, H]``.
+4. Combine, in XLA: ``out[t] = sum_j weights[t, j] * y[row of (t, j)]`` in float32; one fused
+   gather-and-sum, so the ``[T * k, H]`` intermediate is written once and read once.
 
-Both kernels are persistent (jax's ``ragged_dot_mgpu``/``hopper_matmul_mgpu`` construct): one
-block per SM walks the (tile, N block) work items with ``plgpu.nd_loop`` (item ``i`` on SM
-``i % num_sms``; the number of items is read from the plan on the device, so unused tiles cost
-nothing), and each item streams its K dimension through ``plgpu.emit_pipeline``, a ring of
-``num_stages`` TMA-filled shared-memory slots feeding wgmma. Items are ordered tile-major (the N
-blocks of one tile are consecutive), so the tiles of one expert run at the same time on
-neighbouring SMs and share each weight block through L2. At decode sizes (a few rows per expert)
-the kernels stream weights: the N blocks are chosen so that the items cover every SM
-(``default_config``). At prefill sizes they are wgmma bound and every M tile is full but the
-last of each expert.
+Both kernels are persistent (the construct of jax's ``ragged_dot_mgpu``/``hopper_matmul_mgpu``):
+one block per SM walks the (tile, N block) work items with ``plgpu.nd_loop`` (item ``i`` on SM
+``i % num_sms``; the number of items is read from the plan on the device, so unused table slots
+cost nothing), and each item streams its K dimension through a pipeline, a ring of
+``num_stages`` TMA-filled shared-memory slots feeding wgmma: ``plgpu.emit_pipeline`` in one
+warpgroup, or (``TuningConfig.warpgroups = 2``) ``plgpu.emit_pipeline_warp_specialized`` with a
+producer warpgroup that runs ahead into the next item while two consumer warpgroups finish the
+epilogue. Items are ordered tile-major (the N blocks of one tile are consecutive), so the tiles
+of one expert run at the same time on neighbouring SMs and share each weight block through L2.
+At decode sizes (a few rows per expert) the kernels stream weights, and the N blocks are chosen
+so that the items cover every SM (``default_config``); at prefill sizes they are wgmma bound and
+every M tile is full but the last of each expert.
 
-A tile starts at an arbitrary sorted row, so the rows past an expert's count belong to the next
-expert (or, at the end, to the padding rows of ``xs``/``act``, never written by the plan or the
-kernels). Their output rows are computed and discarded: the store writes only the tile's own
-rows, with a ladder of power-of-two TMA stores (64, 32, ..., 1 rows, as jax's
-``ragged_dot_mgpu``). A wgmma output row depends only on its own input row, so whatever the
-padding rows hold (NaN included) stays in discarded rows.
+A tile always loads ``block_m`` rows from its first row on, so its rows past the expert's span
+belong to the next expert or to the tail of ``xs``/``act`` (padding, never written by the plan
+or the kernels). Their output rows are computed and discarded: the epilogue stores only the
+tile's own rows, with a ladder of power-of-two TMA stores (as jax's ``ragged_dot_mgpu``). A
+wgmma output row depends only on its own input row, so whatever the padding rows hold (NaN
+included) stays in discarded rows, and the combine reads only the rows of valid routes.
 
 Numerics: float32 accumulation in both GEMMs; the activation is rounded to the weights' dtype
 before the down projection (as the reference); the combine is float32. ``silu`` uses the fast
@@ -58,8 +61,8 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ROWS_PER_WGMMA = 64  # the wgmma M of one warpgroup
 ROW_ALIGN = 8  # buffer rows of a tile start at multiples of the 8-row SMEM tiling
 SMEM_BYTES = 227 * 1024  # usable shared memory per SM on Hopper
-# Accumulator elements per block (all accumulators of a kernel together): 64 float32 registers
-# per thread of the warpgroup at most, so the epilogue and the addressing keep their registers.
+# Accumulator elements per consumer warpgroup (all accumulators of a kernel together): 128
+# float32 registers per thread at most, so the epilogue and the addressing keep theirs.
 MAX_ACC_ELEMENTS = 128 * 128
 
 
@@ -152,9 +155,10 @@ def default_config(
   """Heuristic defaults from the shapes (host-side numbers only).
 
   ``block_m`` 64: at decode sizes a tile holds a few routes, and 64 rows is the smallest wgmma M.
-  The N blocks are as large as the register budget allows (128 for the two gate/up
-  accumulators) unless the expected used tiles (``min(T * k, E)`` experts at least, ``T * k /
-  64`` tiles at most) would leave SMs idle: then smaller blocks split each expert over more SMs.
+  One warpgroup with a 4-deep ring. The N blocks are as large as the register and shared-memory
+  budgets allow (128 for the two gate/up accumulators, 256 for the down one), unless the
+  expected tiles (``min(T * k, E)`` touched experts, or ``T * k / 64`` full tiles) would give
+  fewer than two work items per SM: then smaller blocks split each expert over more SMs.
   """
   routes = num_tokens * top_k
   tiles = max(min(routes, num_experts), routes // ROWS_PER_WGMMA)
