@@ -107,7 +107,7 @@ CASES = {
     75,
     2,
     8,
-    128,
+    64,
     128,
     _skewed_ids,
     TuningConfig(
@@ -246,9 +246,6 @@ def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
   too_big = TuningConfig(block_m=128, block_n_gate_up=128)  # 2 x 128 x 128 accumulators
   with pytest.raises(ValueError, match="accumulators"):
     routed_experts(*args, impl="pallas", interpret=True, config=too_big)
-  one_k_step = TuningConfig(warpgroups=2, block_k=128)
-  with pytest.raises(ValueError, match="two K steps"):
-    routed_experts(*args, impl="pallas", interpret=True, config=one_k_step)
 
 
 def test_route_plan_covers_every_route_once():

@@ -189,9 +189,6 @@ def unsupported_reason(
   for name, size in (("H", hidden), ("I", intermediate)):
     if size % config.block_k:
       return f"{name}={size} must be a multiple of block_k={config.block_k}"
-    if config.warpgroups == 2 and size < 2 * config.block_k:
-      # The warp-specialized pipeline releases each slot one step late (delay_release=1).
-      return f"two warpgroups need {name}={size} to span two K steps of block_k={config.block_k}"
   if intermediate % config.block_n_gate_up:
     return f"I={intermediate} must be a multiple of block_n_gate_up={config.block_n_gate_up}"
   if hidden % config.block_n_down:
@@ -331,15 +328,24 @@ def _grouped_matmul(
   swizzle = plgpu.find_swizzle(block_k * jnp.dtype(lhs.dtype).itemsize * 8)
   swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
   transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
-  lhs_spec = plgpu.BlockSpec(
-    (block_m, block_k), lambda k: (0, k), transforms=transforms, delay_release=1
-  )
+  # One warpgroup releases a slot one step late (delay_release=1): step s's wgmmas run while
+  # the slot of step s - 1 is refilled. With a producer warpgroup a slot is released once its
+  # wgmmas are complete (delay_release=0, as jax's hopper_matmul_mgpu): the producer starts the
+  # next item's copies as soon as the last step's slot is released, so a late release would let
+  # it overwrite a slot that the last step's wgmmas may still read.
+  delay_release = 1 if config.warpgroups == 1 else 0
 
-  def rhs_specs(n_block):
-    spec = plgpu.BlockSpec(
-      (block_k, block_n), lambda k: (k, n_block), transforms=transforms, delay_release=1
+  def specs(n_block):
+    lhs_spec = plgpu.BlockSpec(
+      (block_m, block_k), lambda k: (0, k), transforms=transforms, delay_release=delay_release
     )
-    return [spec] * len(rhs)
+    rhs_spec = plgpu.BlockSpec(
+      (block_k, block_n),
+      lambda k: (k, n_block),
+      transforms=transforms,
+      delay_release=delay_release,
+    )
+    return [lhs_spec] + [rhs_spec] * len(rhs)
 
   def work_item(table_ref, item):
     """(N block, expert, first buffer row, rows to store) of work item ``item``."""
@@ -350,9 +356,9 @@ def _grouped_matmul(
   def mma_step(acc_refs, lhs_smem, rhs_smems):
     for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
       plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
-    # The previous step's wgmmas are complete, so its slot may be refilled (delay_release=1);
-    # this step's run on.
-    plgpu.wgmma_wait(len(acc_refs))
+    # Wait until the wgmmas of the steps whose slots are released next are complete: the
+    # previous step's (one warpgroup; this step's run on) or this step's (with a producer).
+    plgpu.wgmma_wait(len(acc_refs) * delay_release)
 
   def single_warpgroup(num_tiles_ref, table_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
@@ -367,7 +373,7 @@ def _grouped_matmul(
           plgpu.emit_pipeline(
             lambda _, lhs_smem, *rhs_smems: mma_step(acc_refs, lhs_smem, rhs_smems),
             grid=(k_steps,),
-            in_specs=[lhs_spec, *rhs_specs(n_block)],
+            in_specs=specs(n_block),
             max_concurrent_steps=config.num_stages,
           )(lhs_ref.at[pl.ds(row_start, block_m)], *(ref.at[expert] for ref in rhs_refs))
           return tuple(acc_ref[...] for acc_ref in acc_refs)
@@ -395,7 +401,7 @@ def _grouped_matmul(
         body,
         grid=(k_steps,),
         memory_registers=40,
-        in_specs=[lhs_spec, *rhs_specs(n_block)],
+        in_specs=specs(n_block),
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=config.num_stages,
