@@ -14,8 +14,10 @@ Shapes: GLM-4.5-Air (E 128, H 4096, I 1408) and GLM-4.5 (E 160, H 5120, I 1536),
 1, 4, 16, 64, 384, 2048, 8192. The limit of a row is ``max(touched-expert bytes / read
 bandwidth, FLOPs / bf16 matmul rate)``, both ceilings measured in this process (a float32 sum
 over 1 GiB bf16 arrays; a 8192^3 bf16 matmul). Peak device memory of one call at 8192 tokens is
-read from XLA's memory analysis of the compiled call (arguments + outputs + temporaries).
-Writes ``results/moe.json`` and ``.md`` (after every row, so a cut run keeps its rows).
+read from XLA's memory analysis of the compiled call (arguments + outputs + temporaries). A
+breakdown lists the CUPTI time of every GPU kernel of one call of ours (GLM-4.5-Air at 1, 64 and
+2048 tokens): where the time goes. Writes ``results/moe.json`` and ``.md`` (after every row, so
+a cut run keeps its rows).
 
 ``--quick`` times fewer token counts; ``--tune`` adds a sweep of TuningConfigs per token count
 (GLM-4.5-Air) to choose defaults from; ``--smoke`` runs tiny shapes in GPU interpret mode on any
@@ -48,8 +50,9 @@ from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig  # noqa: E402
 TOP_K = 8
 SHAPES = {"GLM-4.5-Air": (128, 4096, 1408), "GLM-4.5": (160, 5120, 1536)}
 TOKENS = (1, 4, 16, 64, 384, 2048, 8192)
-QUICK_TOKENS = (1, 64, 384, 2048)
+QUICK_TOKENS = (1, 64, 384, 2048, 8192)
 TUNE_TOKENS = (1, 16, 64, 384, 2048, 8192)
+QUICK_TUNE_TOKENS = (1, 64, 384, 8192)
 BREAKDOWN_TOKENS = (1, 64, 2048)
 SMOKE_SHAPES = {"smoke": (8, 128, 128)}
 SMOKE_TOKENS = (1, 5)
@@ -363,7 +366,9 @@ def breakdown(rng, layer, token_counts, breakdowns, save):
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument(
-    "--quick", action="store_true", help=f"tokens {QUICK_TOKENS} only (also for --tune)"
+    "--quick",
+    action="store_true",
+    help=f"tokens {QUICK_TOKENS} only, and {QUICK_TUNE_TOKENS} for --tune",
   )
   parser.add_argument("--tune", action="store_true", help="sweep TuningConfigs (GLM-4.5-Air)")
   parser.add_argument(
@@ -428,7 +433,7 @@ def main():
   if args.tune and args.smoke:
     tune(rng, layers["smoke"], SMOKE_TOKENS[:1], tuning, save, smoke=True)
   elif args.tune:
-    tune_tokens = QUICK_TOKENS if args.quick else TUNE_TOKENS
+    tune_tokens = QUICK_TUNE_TOKENS if args.quick else TUNE_TOKENS
     tune(rng, layers["GLM-4.5-Air"], tune_tokens, tuning, save)
   print(f"results in {out_dir}")
   print(render_markdown(meta, rows, breakdowns, tuning))
