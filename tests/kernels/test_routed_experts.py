@@ -175,11 +175,13 @@ def test_out_of_range_ids_raise_on_concrete_arrays():
       routed_experts(*args, impl=impl, interpret=True, config=SMALL)
 
 
-def test_out_of_range_ids_under_jit_contribute_nothing_on_every_path():
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_out_of_range_ids_under_jit_contribute_nothing_on_every_path(interpret):
   args = _out_of_range_inputs()
+  config = SMALL if interpret else dataclasses.replace(SMALL, num_sms=None)
   outs = {
     impl: jax.jit(
-      lambda *a, impl=impl: routed_experts(*a, impl=impl, interpret=True, config=SMALL)
+      lambda *a, impl=impl: routed_experts(*a, impl=impl, interpret=interpret, config=config)
     )(*args)
     for impl in ("xla", "pallas")
   }
@@ -187,7 +189,8 @@ def test_out_of_range_ids_under_jit_contribute_nothing_on_every_path():
   assert np.all(want[3] == 0)  # token 3 has no valid route
   for out in outs.values():
     assert_close(out, want)
-  np.testing.assert_array_equal(np.asarray(outs["xla"]), np.asarray(outs["pallas"]))
+  if interpret:  # the interpreter runs the kernels' float32 arithmetic as XLA does: bit-equal
+    np.testing.assert_array_equal(np.asarray(outs["xla"]), np.asarray(outs["pallas"]))
 
 
 def test_checked_mode_reports_out_of_range_ids():
