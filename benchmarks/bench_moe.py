@@ -310,29 +310,36 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
 
 
 def tune(rng, layer, token_counts, tuning, save, smoke=False):
+  """Times the default and the alternatives of ``tuning_configs`` at each token count; the
+  one-warpgroup configs of every token count first, the two-warpgroup ones after (should one
+  hang, the others are saved)."""
   num_experts, hidden, intermediate = layer.w_gate.shape
-  for num_tokens in token_counts:
-    count = 1 if smoke else calls_per_program(num_tokens * 2e-6 + 1e-3, 8)
-    variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
-    default = mosaic_gpu.default_config(num_tokens, TOP_K, num_experts, hidden, intermediate)
-    configs = [default] + [c for c in tuning_configs(num_tokens) if c != default]
-    if smoke:  # the sweep's code path on a few simulated SMs
-      configs = [dataclasses.replace(c, num_sms=4) for c in configs[:2]]
-    for config in configs:
-      entry = {"shape": layer.name, "tokens": num_tokens, "config": dataclasses.asdict(config)}
-      entry["default"] = config == default
-      reason = mosaic_gpu.unsupported_reason(*variants[0], *layer.weights, config=config)
-      if reason:
-        entry["error"] = f"unsupported: {reason}"
-      else:
-        try:
-          fn = jax_contender("pallas", config, interpret=smoke)
-          entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
-        except Exception as error:
-          entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-      print("tune", entry, flush=True)
-      tuning.append(entry)
-    save()
+  for warpgroups in (1, 2):
+    for num_tokens in token_counts:
+      default = mosaic_gpu.default_config(num_tokens, TOP_K, num_experts, hidden, intermediate)
+      configs = [default] + [c for c in tuning_configs(num_tokens) if c != default]
+      configs = [c for c in configs if c.warpgroups == warpgroups]
+      if smoke:  # the sweep's code path on a few simulated SMs
+        configs = [dataclasses.replace(c, num_sms=4) for c in configs[:1]]
+      if not configs:
+        continue
+      count = 1 if smoke else calls_per_program(num_tokens * 2e-6 + 1e-3, 8)
+      variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
+      for config in configs:
+        entry = {"shape": layer.name, "tokens": num_tokens, "config": dataclasses.asdict(config)}
+        entry["default"] = config == default
+        reason = mosaic_gpu.unsupported_reason(*variants[0], *layer.weights, config=config)
+        if reason:
+          entry["error"] = f"unsupported: {reason}"
+        else:
+          try:
+            fn = jax_contender("pallas", config, interpret=smoke)
+            entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
+          except Exception as error:
+            entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        print("tune", entry, flush=True)
+        tuning.append(entry)
+      save()
 
 
 def breakdown(rng, layer, token_counts, breakdowns, save):
@@ -509,7 +516,7 @@ def render_markdown(meta, rows, breakdowns, tuning):
       "| shape | tokens | config | us |",
       "| --- | --- | --- | --- |",
     ]
-    for entry in tuning:
+    for entry in sorted(tuning, key=lambda e: e["tokens"]):  # stable: run order within a count
       config = ", ".join(f"{k}={v}" for k, v in entry["config"].items() if k != "num_sms")
       mark = " (default)" if entry.get("default") else ""
       result = f"{entry['us']:.0f}" if "us" in entry else "fails"
