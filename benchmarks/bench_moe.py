@@ -1,0 +1,528 @@
+"""Routed experts (one MoE layer's expert MLPs) on one GPU: our kernels against their contenders.
+
+Runs side by side in one process, on the same bf16 weights and the same inputs (fresh random
+tokens, routing weights and routing for every timed call; uniform random top-8 routing):
+
+* ``ours``: ``routed_experts(impl="pallas")``, the Mosaic GPU grouped-expert kernels;
+* ``xla``: ``routed_experts(impl="xla")``, sorted routes + three ``jax.lax.ragged_dot``;
+* ``per_route``: each route's expert matrices gathered (``[T, k, H, I]``) and einsummed, the
+  model's small-batch path, where the gather fits in memory;
+* ``torch_grouped_mm``: torch ``_grouped_mm`` (CUTLASS) for the three projections, with the
+  sort, gather, SwiGLU and weighted scatter-add in torch, on the same weights (DLPack).
+
+Shapes: GLM-4.5-Air (E 128, H 4096, I 1408) and GLM-4.5 (E 160, H 5120, I 1536), top-8, tokens
+1, 4, 16, 64, 384, 2048, 8192. The limit of a row is ``max(touched-expert bytes / read
+bandwidth, FLOPs / bf16 matmul rate)``, both ceilings measured in this process (a float32 sum
+over 1 GiB bf16 arrays; a 8192^3 bf16 matmul). Peak device memory of one call at 8192 tokens is
+read from XLA's memory analysis of the compiled call (arguments + outputs + temporaries). A
+breakdown lists the CUPTI time of every GPU kernel of one call of ours (GLM-4.5-Air at 1, 64 and
+2048 tokens): where the time goes. Writes ``results/moe.json`` and ``.md`` (after every row, so
+a cut run keeps its rows).
+
+``--quick`` times fewer token counts; ``--tune`` adds a sweep of TuningConfigs per token count
+(GLM-4.5-Air) to choose defaults from; ``--smoke`` runs tiny shapes in GPU interpret mode on any
+backend (a check of the script, not a measurement) and writes to a temporary directory unless
+``--out`` is given.
+
+Usage: ``python benchmarks/bench_moe.py [--quick] [--tune]`` or ``... --smoke``.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks._timing import time_jax, time_torch  # noqa: E402
+from jaxspec.kernels.routed_experts import mosaic_gpu  # noqa: E402
+from jaxspec.kernels.routed_experts.api import routed_experts  # noqa: E402
+from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig  # noqa: E402
+
+TOP_K = 8
+SHAPES = {"GLM-4.5-Air": (128, 4096, 1408), "GLM-4.5": (160, 5120, 1536)}
+TOKENS = (1, 4, 16, 64, 384, 2048, 8192)
+QUICK_TOKENS = (1, 64, 384, 2048, 8192)
+TUNE_TOKENS = (1, 16, 64, 384, 2048, 8192)
+QUICK_TUNE_TOKENS = (1, 64, 384, 8192)
+BREAKDOWN_TOKENS = (1, 64, 2048)
+SMOKE_SHAPES = {"smoke": (8, 128, 128)}
+SMOKE_TOKENS = (1, 5)
+PER_ROUTE_MAX_BYTES = 24e9  # the per_route gather of one call must fit next to the rest
+PEAK_MEMORY_TOKENS = 8192
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+DTYPE = jnp.bfloat16
+
+
+@dataclasses.dataclass
+class Layer:
+  name: str
+  w_gate: jax.Array  # [E, H, I]
+  w_up: jax.Array
+  w_down: jax.Array  # [E, I, H]
+
+  @property
+  def expert_bytes(self) -> int:
+    _, hidden, intermediate = self.w_gate.shape
+    return 3 * hidden * intermediate * jnp.dtype(DTYPE).itemsize
+
+  @property
+  def weights(self):
+    return (self.w_gate, self.w_up, self.w_down)
+
+
+def make_layer(name, num_experts, hidden, intermediate, seed=0) -> Layer:
+  keys = jax.random.split(jax.random.key(seed), 3)
+  shapes = [(num_experts, hidden, intermediate)] * 2 + [(num_experts, intermediate, hidden)]
+  scales = [hidden**-0.5, hidden**-0.5, intermediate**-0.5]
+  w = [
+    jax.random.normal(key, shape, DTYPE) * jnp.asarray(scale, DTYPE)
+    for key, shape, scale in zip(keys, shapes, scales, strict=True)
+  ]
+  return Layer(name, *w)
+
+
+def fresh_inputs(rng, num_tokens, num_experts, hidden, count):
+  """``count`` distinct (x, expert_ids, weights): uniform top-k routing, distinct experts."""
+  variants = []
+  for _ in range(count):
+    key = jax.random.key(int(rng.integers(1 << 31)))
+    x = jax.random.normal(key, (num_tokens, hidden), DTYPE)
+    ids = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :TOP_K]
+    weights = rng.uniform(0.05, 0.3, (num_tokens, TOP_K))
+    variants.append((x, jnp.asarray(ids, jnp.int32), jnp.asarray(weights, jnp.float32)))
+  return variants
+
+
+def calls_per_program(seconds_per_call: float, limit: int) -> int:
+  """Calls per timed program: long enough to outlast its host dispatch, at most ``limit``."""
+  return int(np.clip(round(2e-3 / max(seconds_per_call, 1e-6)), 2, limit))
+
+
+def timed(fn, variants, layer, reps, warmup=2):
+  return time_jax(fn, variants, *layer.weights, reps=reps, warmup=warmup)
+
+
+def jax_contender(impl, config=None, interpret=False):
+  def fn(variant, w_gate, w_up, w_down):
+    x, ids, weights = variant
+    chosen = config
+    if interpret and chosen is None:  # the default tuning on a few simulated SMs
+      num_tokens, top_k = ids.shape
+      num_experts, hidden, intermediate = w_gate.shape
+      default = mosaic_gpu.default_config(num_tokens, top_k, num_experts, hidden, intermediate)
+      chosen = dataclasses.replace(default, num_sms=4)
+    return routed_experts(
+      x, ids, weights, w_gate, w_up, w_down, impl=impl, config=chosen, interpret=interpret
+    )
+
+  return fn
+
+
+def per_route(variant, w_gate, w_up, w_down):
+  """The model's per_route formula: gather each route's matrices, einsum, weighted sum."""
+  x, ids, weights = variant
+  gate, up, down = w_gate[ids], w_up[ids], w_down[ids]  # [T, k, H, I], [T, k, I, H]
+  g = jnp.einsum("nh,nkhi->nki", x, gate, preferred_element_type=jnp.float32)
+  u = jnp.einsum("nh,nkhi->nki", x, up, preferred_element_type=jnp.float32)
+  act = (jax.nn.silu(g) * u).astype(DTYPE)
+  y = jnp.einsum("nki,nkih->nkh", act, down, preferred_element_type=jnp.float32)
+  return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
+
+
+def time_torch_grouped_mm(layer, variants):
+  """torch ``_grouped_mm`` for the three projections; sort, gather, SwiGLU and scatter-add in
+  torch. CUDA events around back-to-back calls over the variants."""
+  import torch
+
+  w_gate, w_up, w_down = (torch.from_dlpack(w) for w in layer.weights)
+  num_experts = w_gate.shape[0]
+  inputs = [tuple(torch.from_dlpack(a) for a in variant) for variant in variants]
+
+  def moe(x, ids, weights):
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // ids.shape[1]
+    offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
+    xs = x[token]
+    g = torch._grouped_mm(xs, w_gate, offs=offsets)
+    u = torch._grouped_mm(xs, w_up, offs=offsets)
+    act = torch.nn.functional.silu(g) * u
+    y = torch._grouped_mm(act, w_down, offs=offsets).float() * weights.reshape(-1)[order, None]
+    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, y)
+
+  state = {"i": 0}
+
+  def call():
+    state["i"] = (state["i"] + 1) % len(inputs)
+    return moe(*inputs[state["i"]])
+
+  want = routed_experts(*variants[0], *layer.weights, impl="xla")
+  error = relative_rms(jax.dlpack.from_dlpack(moe(*inputs[0]).contiguous()), want)
+  return time_torch(call, inner=len(inputs)), error
+
+
+def relative_rms(out, want) -> float:
+  out, want = (jnp.asarray(a, jnp.float32) for a in (out, want))
+  return float(jnp.sqrt(jnp.mean((out - want) ** 2) / jnp.mean(want**2)))
+
+
+def measure_read_bandwidth(num_bytes=1 << 30):
+  """TB/s of float32 sums over four distinct bf16 arrays: a practical read ceiling."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  arrays = [jax.random.normal(k, (num_bytes // 2,), jnp.bfloat16) for k in keys]
+  seconds = time_jax(lambda x: jnp.sum(x.astype(jnp.float32)), arrays)
+  return arrays[0].nbytes / seconds / 1e12
+
+
+def measure_matmul_rate(size=8192):
+  """TFLOP/s of a bf16 [size, size] @ [size, size] matmul with float32 accumulation."""
+  keys = jax.random.split(jax.random.key(1), 3)
+  lhs = [jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys]
+  rhs = jax.random.normal(jax.random.key(2), (size, size), jnp.bfloat16)
+  seconds = time_jax(
+    lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16), lhs, rhs
+  )
+  return 2 * size**3 / seconds / 1e12
+
+
+def peak_memory(fn, variant, layer):
+  """Bytes of one compiled call: arguments + outputs + temporaries (XLA's memory analysis)."""
+  analysis = jax.jit(fn).lower(variant, *layer.weights).compile().memory_analysis()
+  if analysis is None:
+    return None
+  total = (
+    analysis.argument_size_in_bytes
+    + analysis.output_size_in_bytes
+    + analysis.temp_size_in_bytes
+    - analysis.alias_size_in_bytes
+  )
+  return {"total": int(total), "temp": int(analysis.temp_size_in_bytes)}
+
+
+def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
+  num_experts, hidden, intermediate = layer.w_gate.shape
+  # One call's time decides how many calls a timed program holds; estimated from the limit.
+  touched_estimate = num_experts * (1 - (1 - TOP_K / num_experts) ** num_tokens)
+  flops = 2 * num_tokens * TOP_K * 3 * hidden * intermediate
+  limit_s = max(
+    touched_estimate * layer.expert_bytes / (ceilings["read_tbps"] * 1e12),
+    flops / (ceilings["matmul_tflops"] * 1e12),
+  )
+  count = 1 if smoke else calls_per_program(limit_s, 16)
+  variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
+  touched = np.mean([len(np.unique(np.asarray(v[1]))) for v in variants])
+  memory_s = touched * layer.expert_bytes / (ceilings["read_tbps"] * 1e12)
+  compute_s = flops / (ceilings["matmul_tflops"] * 1e12)
+  row = {
+    "shape": layer.name,
+    "tokens": num_tokens,
+    "experts_touched": float(touched),
+    "limit_us": max(memory_s, compute_s) * 1e6,
+    "limit_bound": "memory" if memory_s >= compute_s else "compute",
+    "calls_per_program": count,
+  }
+  reps = 1 if smoke else 15
+  warmup = 0 if smoke else 2
+  for name in contenders:
+    started = time.perf_counter()
+    try:
+      if name == "ours":
+        fn = jax_contender("pallas", interpret=smoke)
+        seconds = timed(fn, variants, layer, reps, warmup)
+        out = fn(variants[0], *layer.weights)
+        row["ours_error_vs_xla"] = relative_rms(
+          out, jax_contender("xla")(variants[0], *layer.weights)
+        )
+      elif name == "xla":
+        # The XLA path takes ~0.1 s per call at 2048 tokens: two calls, few repetitions.
+        slow = num_tokens >= 384
+        few = variants[:2] if slow else variants
+        seconds = timed(jax_contender("xla"), few, layer, 3 if slow else reps, warmup)
+      elif name == "per_route":
+        gather_bytes = num_tokens * TOP_K * layer.expert_bytes
+        if gather_bytes > PER_ROUTE_MAX_BYTES:
+          continue
+        # Several large gathers in one program could be live at once: two calls there.
+        few = variants[:2] if gather_bytes > 2e9 else variants
+        seconds = timed(per_route, few, layer, reps, warmup)
+      elif name == "torch_grouped_mm":
+        seconds, row["torch_error_vs_xla"] = time_torch_grouped_mm(layer, variants)
+      row[name] = {"us": seconds * 1e6}
+    except Exception as error:  # a contender that cannot run is reported, not fatal
+      row[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    print(
+      layer.name,
+      num_tokens,
+      name,
+      row[name],
+      f"({time.perf_counter() - started:.1f} s)",
+      flush=True,
+    )
+  if num_tokens == PEAK_MEMORY_TOKENS and not smoke:
+    for name, impl in (("ours", "pallas"), ("xla", "xla")):
+      try:
+        row[f"{name}_peak_bytes"] = peak_memory(jax_contender(impl), variants[0], layer)
+      except Exception as error:
+        row[f"{name}_peak_bytes"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    row["activation_bytes"] = 2 * num_tokens * hidden * jnp.dtype(DTYPE).itemsize  # x and out
+    row["weight_bytes"] = num_experts * layer.expert_bytes
+  return row
+
+
+def tuning_configs(num_tokens) -> list[TuningConfig]:
+  """Alternatives around the default, per regime: at decode sizes the kernels stream weights (N
+  blocks, pipeline depth), at prefill sizes they are wgmma bound (tile shapes); both try a
+  producer warpgroup with two consumer warpgroups."""
+  if num_tokens <= 64:
+    grid = [
+      dict(block_n_gate_up=64, block_n_down=64),
+      dict(block_n_gate_up=128, block_n_down=128),
+      dict(block_n_gate_up=128, block_n_down=256),
+      dict(block_n_gate_up=64, block_n_down=128, block_k=128, num_stages=3),
+      dict(warpgroups=2, block_n_gate_up=128, block_n_down=128),
+      dict(warpgroups=2, block_n_gate_up=128, block_n_down=256),
+    ]
+  else:
+    grid = [
+      dict(block_n_gate_up=128, block_n_down=256),
+      dict(block_m=128, block_n_gate_up=64, block_n_down=128),
+      dict(warpgroups=2, block_n_gate_up=128, block_n_down=256),
+      dict(warpgroups=2, warpgroup_split="m", block_m=128, block_n_gate_up=128, block_n_down=128),
+      dict(
+        warpgroups=2,
+        warpgroup_split="m",
+        block_m=128,
+        block_n_gate_up=128,
+        block_n_down=128,
+        num_stages=3,
+      ),
+    ]
+  return [TuningConfig(**changes) for changes in grid]
+
+
+def tune(rng, layer, token_counts, tuning, save, smoke=False):
+  """Times the default and the alternatives of ``tuning_configs`` at each token count; the
+  one-warpgroup configs of every token count first, the two-warpgroup ones after (should one
+  hang, the others are saved)."""
+  num_experts, hidden, intermediate = layer.w_gate.shape
+  for warpgroups in (1, 2):
+    for num_tokens in token_counts:
+      default = mosaic_gpu.default_config(num_tokens, TOP_K, num_experts, hidden, intermediate)
+      configs = [default] + [c for c in tuning_configs(num_tokens) if c != default]
+      configs = [c for c in configs if c.warpgroups == warpgroups]
+      if smoke:  # the sweep's code path on a few simulated SMs
+        configs = [dataclasses.replace(c, num_sms=4) for c in configs[:1]]
+      if not configs:
+        continue
+      count = 1 if smoke else calls_per_program(num_tokens * 2e-6 + 1e-3, 8)
+      variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
+      for config in configs:
+        entry = {"shape": layer.name, "tokens": num_tokens, "config": dataclasses.asdict(config)}
+        entry["default"] = config == default
+        reason = mosaic_gpu.unsupported_reason(*variants[0], *layer.weights, config=config)
+        if reason:
+          entry["error"] = f"unsupported: {reason}"
+        else:
+          try:
+            fn = jax_contender("pallas", config, interpret=smoke)
+            entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
+          except Exception as error:
+            entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        print("tune", entry, flush=True)
+        tuning.append(entry)
+      save()
+
+
+def breakdown(rng, layer, token_counts, breakdowns, save):
+  """CUPTI time of every GPU kernel of one call of ours (the plan's XLA kernels, the two
+  Mosaic GPU kernels, the combine), fastest of five profiled calls, kernel by kernel."""
+  from jax.experimental.mosaic.gpu import profiler
+
+  num_experts, hidden, _ = layer.w_gate.shape
+  call = jax.jit(jax_contender("pallas"))
+  for num_tokens in token_counts:
+    (variant,) = fresh_inputs(rng, num_tokens, num_experts, hidden, 1)
+    entry = {"shape": layer.name, "tokens": num_tokens}
+    try:
+      jax.block_until_ready(call(variant, *layer.weights))
+      kernels = []
+      for _ in range(5):
+        _, timings = profiler.measure(call, aggregate=False)(variant, *layer.weights)
+        if not kernels:
+          kernels = [[name, ms * 1e3] for name, ms in timings]
+        else:
+          for kernel, (_, ms) in zip(kernels, timings, strict=True):
+            kernel[1] = min(kernel[1], ms * 1e3)
+      entry["kernels_us"] = kernels
+    except Exception as error:
+      entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    print("breakdown", entry, flush=True)
+    breakdowns.append(entry)
+    save()
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help=f"tokens {QUICK_TOKENS} only, and {QUICK_TUNE_TOKENS} for --tune",
+  )
+  parser.add_argument("--tune", action="store_true", help="sweep TuningConfigs (GLM-4.5-Air)")
+  parser.add_argument(
+    "--smoke", action="store_true", help="tiny shapes, interpret mode, any backend"
+  )
+  parser.add_argument("--out", default=None, help="results directory")
+  args = parser.parse_args()
+  if args.out is not None:
+    out_dir = pathlib.Path(args.out)
+  else:
+    out_dir = pathlib.Path(tempfile.mkdtemp()) if args.smoke else RESULTS
+  out_dir.mkdir(parents=True, exist_ok=True)
+  rng = np.random.default_rng(0)
+
+  if args.smoke:
+    shapes, token_counts = SMOKE_SHAPES, SMOKE_TOKENS
+    ceilings = {
+      "read_tbps": measure_read_bandwidth(1 << 20),
+      "matmul_tflops": measure_matmul_rate(256),
+    }
+    contenders = ("ours", "xla", "per_route")
+  else:
+    shapes, token_counts = SHAPES, QUICK_TOKENS if args.quick else TOKENS
+    ceilings = {"read_tbps": measure_read_bandwidth(), "matmul_tflops": measure_matmul_rate()}
+    contenders = ("ours", "xla", "per_route", "torch_grouped_mm")
+  print(f"ceilings: {ceilings}", flush=True)
+  meta = {
+    "gpu": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "setup": f"bf16 weights, top-{TOP_K}, uniform random routing drawn fresh per call"
+    + ("; interpret-mode smoke run on tiny shapes (not a measurement)" if args.smoke else ""),
+    "ceilings": ceilings,
+    "timing": "jax: median steady-state time per call of a jitted batch of calls on distinct "
+    "inputs (wall time of two back-to-back launches minus one); torch: CUDA events around "
+    "back-to-back calls; warm-up excluded",
+  }
+  rows, tuning, breakdowns = [], [], []
+
+  def save():
+    """Writes what has been measured so far (a run cut short keeps its finished rows)."""
+    results = {"meta": meta, "rows": rows, "breakdown": breakdowns, "tuning": tuning}
+    (out_dir / "moe.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "moe.md").write_text(render_markdown(meta, rows, breakdowns, tuning))
+
+  layers = {}
+  for name, (num_experts, hidden, intermediate) in shapes.items():
+    layer = make_layer(name, num_experts, hidden, intermediate)
+    layers[name] = layer
+    meta.setdefault("default_configs", {})[name] = {
+      n: dataclasses.asdict(mosaic_gpu.default_config(n, TOP_K, num_experts, hidden, intermediate))
+      for n in token_counts
+    }
+    for num_tokens in token_counts:
+      rows.append(run_row(rng, layer, num_tokens, ceilings, args.smoke, contenders))
+      save()
+    if name == "GLM-4.5":
+      del layers[name]  # free its 7.5 GB before the breakdown and the sweep
+
+  if not args.smoke:
+    breakdown(rng, layers["GLM-4.5-Air"], BREAKDOWN_TOKENS, breakdowns, save)
+  if args.tune and args.smoke:
+    tune(rng, layers["smoke"], SMOKE_TOKENS[:1], tuning, save, smoke=True)
+  elif args.tune:
+    tune_tokens = QUICK_TUNE_TOKENS if args.quick else TUNE_TOKENS
+    tune(rng, layers["GLM-4.5-Air"], tune_tokens, tuning, save)
+  print(f"results in {out_dir}")
+  print(render_markdown(meta, rows, breakdowns, tuning))
+
+
+def render_markdown(meta, rows, breakdowns, tuning):
+  def us(entry):
+    return f"{entry['us']:.0f}" if "us" in entry else "fails" if "error" in entry else "n/a"
+
+  def ratio(row, name, reference):
+    a, b = row.get(name, {}), row.get(reference, {})
+    if "us" in a and "us" in b:
+      return f"{a['us'] / b['us']:.2f}"
+    return "n/a"
+
+  ceilings = meta["ceilings"]
+  lines = [
+    "# Routed experts (one MoE layer) on one GPU",
+    "",
+    f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}.",
+    f"Timing: {meta['timing']}. Limit = max(touched experts x expert bytes / "
+    f"{ceilings['read_tbps']:.3g} TB/s, FLOPs / {ceilings['matmul_tflops']:.3g} TFLOP/s), "
+    "both ceilings measured in this run (bf16 read by a float32 sum; a 8192^3 bf16 matmul).",
+    "",
+    "| shape | tokens | experts touched | limit us | ours us | ours / limit | XLA ragged_dot us "
+    "| per_route us | torch _grouped_mm us | torch / ours | ours rel. rms error vs XLA |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for row in rows:
+    ours = row.get("ours", {})
+    over = f"{ours['us'] / row['limit_us']:.2f}" if "us" in ours else "n/a"
+    error = f"{row['ours_error_vs_xla']:.1e}" if "ours_error_vs_xla" in row else "n/a"
+    lines.append(
+      f"| {row['shape']} | {row['tokens']} | {row['experts_touched']:.1f} "
+      f"| {row['limit_us']:.0f} ({row['limit_bound']}) | {us(ours)} | {over} "
+      f"| {us(row.get('xla', {}))} | {us(row.get('per_route', {}))} "
+      f"| {us(row.get('torch_grouped_mm', {}))} | {ratio(row, 'torch_grouped_mm', 'ours')} "
+      f"| {error} |"
+    )
+  failures = [
+    f"- {row['shape']} {row['tokens']} {name}: {row[name]['error']}"
+    for row in rows
+    for name in ("ours", "xla", "per_route", "torch_grouped_mm")
+    if "error" in row.get(name, {})
+  ]
+  if failures:
+    lines += ["", "Failures:", "", *failures]
+  memory = [row for row in rows if "ours_peak_bytes" in row]
+  if memory:
+    lines += [
+      "",
+      f"Peak device memory of one call at {PEAK_MEMORY_TOKENS} tokens (arguments + outputs + "
+      "temporaries, XLA memory analysis), GB:",
+      "",
+    ]
+    for row in memory:
+      parts = []
+      for name in ("ours", "xla"):
+        entry = row[f"{name}_peak_bytes"]
+        if entry and "total" in entry:
+          parts.append(f"{name} {entry['total'] / 1e9:.2f} (temporaries {entry['temp'] / 1e9:.2f})")
+      weights, activations = row["weight_bytes"] / 1e9, row["activation_bytes"] / 1e9
+      lines.append(
+        f"- {row['shape']}: " + "; ".join(parts) + f"; weights {weights:.2f}, "
+        f"activations (x and out) {activations:.3f}, 4 x activations + weights "
+        f"{4 * activations + weights:.2f}"
+      )
+  if tuning:
+    lines += [
+      "",
+      "## Tuning sweep (ours)",
+      "",
+      "| shape | tokens | config | us |",
+      "| --- | --- | --- | --- |",
+    ]
+    for entry in sorted(tuning, key=lambda e: e["tokens"]):  # stable: run order within a count
+      config = ", ".join(f"{k}={v}" for k, v in entry["config"].items() if k != "num_sms")
+      mark = " (default)" if entry.get("default") else ""
+      result = f"{entry['us']:.0f}" if "us" in entry else "fails"
+      lines.append(f"| {entry['shape']} | {entry['tokens']} | {config}{mark} | {result} |")
+  return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+  main()

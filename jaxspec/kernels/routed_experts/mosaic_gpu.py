@@ -1,0 +1,544 @@
+"""Routed experts as two grouped-expert GEMMs in Pallas Mosaic GPU (Hopper: TMA + wgmma).
+
+Algorithm (the grouped-GEMM MoE of vLLM's fused_moe / ``moe_align_block_size``, with the
+device-side tile table of tokamax's Mosaic GPU ragged_dot):
+
+1. Plan, in XLA on the device (``plan_routes``): the ``T * k`` routes are sorted by expert
+   (out-of-range ids dropped). Expert ``e`` with ``c`` routes owns a span of ``ceil(c / 8) * 8``
+   buffer rows starting at a multiple of 8 (a TMA copy into 8-row-tiled shared memory must start
+   on a tile row), cut into ``ceil(c / block_m)`` M tiles. ``x`` is gathered into buffer-row
+   order, ``xs [rows + block_m, H]`` with ``rows = route_rows(T * k, E)``. A tile table lists
+   each used tile's expert, first buffer row and rows to store; experts no route reaches have no
+   tile, so their weights are never read. The table has a static size, a bound on the tiles any
+   routing can need (``max_tiles``); only its used prefix runs.
+2. Kernel ``gate_up``: one pass over ``w_gate[e]`` and ``w_up[e]`` per (tile, N block of I):
+   two wgmma accumulators over the same ``xs`` tile, ``silu(g) * u`` in the epilogue, rounded to
+   the weights' dtype, stored as ``act [rows + block_m, I]``.
+3. Kernel ``down``: ``act`` tile @ ``w_down[e]`` per (tile, N block of H), float32 out,
+   ``y [rows, H]``.
+4. Combine, in XLA: ``out[t] = sum_j weights[t, j] * y[row of (t, j)]`` in float32; one fused
+   gather-and-sum, so the ``[T * k, H]`` intermediate is written once and read once.
+
+Both kernels are persistent (the construct of jax's ``ragged_dot_mgpu``/``hopper_matmul_mgpu``):
+one block per SM walks the (tile, N block) work items with ``plgpu.nd_loop`` (item ``i`` on SM
+``i % num_sms``; the number of items is read from the plan on the device, so unused table slots
+cost nothing), and each item streams its K dimension through a pipeline, a ring of
+``num_stages`` TMA-filled shared-memory slots feeding wgmma: ``plgpu.emit_pipeline`` in one
+warpgroup, or (``TuningConfig.warpgroups = 2``) ``plgpu.emit_pipeline_warp_specialized`` with a
+producer warpgroup that runs ahead into the next item while two consumer warpgroups finish the
+epilogue. Items are ordered tile-major (the N blocks of one tile are consecutive), so the tiles
+of one expert run at the same time on neighbouring SMs and share each weight block through L2.
+At decode sizes (a few rows per expert) the kernels stream weights, and the N blocks are chosen
+so that the items cover every SM (``default_config``); at prefill sizes they are wgmma bound and
+every M tile is full but the last of each expert.
+
+A tile always loads ``block_m`` rows from its first row on, so its rows past the expert's span
+belong to the next expert or to the tail of ``xs``/``act`` (padding, never written by the plan
+or the kernels). Their output rows are computed and discarded: the epilogue stores only the
+tile's own rows, with a ladder of power-of-two TMA stores (as jax's ``ragged_dot_mgpu``). A
+wgmma output row depends only on its own input row, so whatever the padding rows hold (NaN
+included) stays in discarded rows, and the combine reads only the rows of valid routes.
+
+Numerics: float32 accumulation in both GEMMs; the activation is rounded to the weights' dtype
+before the down projection (as the reference); the combine is float32. ``silu`` uses the fast
+``exp`` (``approx_math``), so an activation can differ from the reference by one rounding step.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxspec.kernels.dispatch import num_sms, validate_config_fields
+from jaxspec.kernels.routed_experts.reference import combine_routes, sort_routes
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+ROWS_PER_WGMMA = 64  # the wgmma M of one warpgroup
+ROW_ALIGN = 8  # buffer rows of a tile start at multiples of the 8-row SMEM tiling
+SMEM_BYTES = 227 * 1024  # usable shared memory per SM on Hopper
+# Accumulator elements per consumer warpgroup (all accumulators of a kernel together): 128
+# float32 registers per thread at most, so the epilogue and the addressing keep theirs.
+MAX_ACC_ELEMENTS = 128 * 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Static tuning knobs of the two kernels.
+
+  Attributes:
+    block_m: buffer rows per M tile (64 or 128); each expert's routes fill whole tiles but its
+      last, so small values waste less at decode sizes and large ones reuse weights more.
+    block_n_gate_up: N block of the gate/up kernel (over I), a multiple of 64 dividing I.
+    block_n_down: N block of the down kernel (over H), a multiple of 64 dividing H.
+    block_k: K step of both pipelines, a multiple of 64 dividing H and I.
+    num_stages: shared-memory slots of each pipeline (TMA copies in flight).
+    warpgroups: 1: one warpgroup copies and multiplies (``plgpu.emit_pipeline``); 2: a producer
+      warpgroup copies and two consumer warpgroups multiply
+      (``plgpu.emit_pipeline_warp_specialized``).
+    warpgroup_split: with two consumer warpgroups, how they share a block: "n" (each takes half
+      of the N block, which must then be a multiple of 128) or "m" (each takes 64 rows of a
+      ``block_m`` = 128 tile).
+    num_sms: SMs the persistent grid covers; ``None`` asks the device.
+  """
+
+  block_m: int = 64
+  block_n_gate_up: int = 128
+  block_n_down: int = 128
+  block_k: int = 64
+  num_stages: int = 4
+  warpgroups: int = 1
+  warpgroup_split: str = "n"
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "num_stages", "warpgroups")
+    validate_config_fields(self, positive=fields)
+    if self.block_m not in (64, 128):
+      raise ValueError(f"TuningConfig.block_m must be 64 or 128, got {self.block_m}")
+    for name in ("block_n_gate_up", "block_n_down", "block_k"):
+      if getattr(self, name) % 64:
+        raise ValueError(f"TuningConfig.{name} must be a multiple of 64, got {getattr(self, name)}")
+    if self.num_stages < 2:
+      raise ValueError(f"TuningConfig.num_stages must be at least 2, got {self.num_stages}")
+    if self.warpgroups not in (1, 2):
+      raise ValueError(f"TuningConfig.warpgroups must be 1 or 2, got {self.warpgroups}")
+    if self.warpgroup_split not in ("n", "m"):
+      raise ValueError(
+        f"TuningConfig.warpgroup_split must be 'n' or 'm', got {self.warpgroup_split!r}"
+      )
+    if self.warpgroups == 2 and self.warpgroup_split == "m" and self.block_m != 128:
+      raise ValueError("TuningConfig.warpgroup_split='m' needs block_m=128 (64 rows per warpgroup)")
+    if self.warpgroups == 2 and self.warpgroup_split == "n":
+      for name in ("block_n_gate_up", "block_n_down"):
+        if getattr(self, name) % 128:
+          raise ValueError(
+            f"TuningConfig.warpgroup_split='n' needs {name} to be a multiple of 128 (64 columns "
+            f"per warpgroup at least), got {getattr(self, name)}"
+          )
+
+  def accumulator_shape(self, block_n: int) -> tuple[int, int]:
+    """The [rows, columns] accumulated by one consumer warpgroup for an N block of ``block_n``."""
+    if self.warpgroups == 1:
+      return (self.block_m, block_n)
+    if self.warpgroup_split == "m":
+      return (self.block_m // 2, block_n)
+    return (self.block_m, block_n // 2)
+
+
+def max_tiles(num_routes: int, num_experts: int, block_m: int) -> int:
+  """M tiles any routing of ``num_routes`` routes over ``num_experts`` experts can need.
+
+  ``sum_e ceil(c_e / m) <= (sum_e c_e + n * (m - 1)) / m`` over the ``n <= min(E, T * k)``
+  experts with a route.
+  """
+  return (num_routes + min(num_experts, num_routes) * (block_m - 1)) // block_m
+
+
+def _pick_block_n(size: int, tiles: int, sms: int, candidates: tuple[int, ...]) -> int:
+  """The largest N block of ``candidates`` dividing ``size`` whose items fill every SM twice,
+  else the one with the most items (the smallest)."""
+  fitting = [b for b in candidates if size % b == 0]
+  for block in sorted(fitting, reverse=True):
+    if tiles * (size // block) >= 2 * sms:
+      return block
+  return min(fitting) if fitting else candidates[-1]
+
+
+def default_config(
+  num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+) -> TuningConfig:
+  """Heuristic defaults from the shapes (host-side numbers only).
+
+  ``block_m`` 64: at decode sizes a tile holds a few routes, and 64 rows is the smallest wgmma M.
+  One warpgroup with a 4-deep ring. The N blocks are as large as the register and shared-memory
+  budgets allow (128 for the two gate/up accumulators, 256 for the down one), unless the
+  expected tiles (``min(T * k, E)`` touched experts, or ``T * k / 64`` full tiles) would give
+  fewer than two work items per SM: then smaller blocks split each expert over more SMs.
+  """
+  routes = num_tokens * top_k
+  tiles = max(min(routes, num_experts), routes // ROWS_PER_WGMMA)
+  sms = num_sms(None)
+  return TuningConfig(
+    block_m=64,
+    block_n_gate_up=_pick_block_n(intermediate, tiles, sms, (128, 64)),
+    block_n_down=_pick_block_n(hidden, tiles, sms, (256, 128, 64)),
+    block_k=64,
+    num_stages=4,
+  )
+
+
+def _smem_bytes(block_m, block_n, block_k, num_stages, num_rhs, itemsize, out_itemsize) -> int:
+  ring = num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
+  return ring + block_m * block_n * out_itemsize
+
+
+def unsupported_reason(
+  x, expert_ids, weights, w_gate, w_up, w_down, *, config: TuningConfig
+) -> str | None:
+  """Why the kernels cannot serve these inputs with ``config``, or ``None`` when they can."""
+  del x, expert_ids, weights, w_up, w_down  # any values the api accepts are served
+  _, hidden, intermediate = w_gate.shape
+  dtype = jnp.dtype(w_gate.dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    return f"the Mosaic GPU kernels need bf16 or fp16 expert weights, got {dtype}"
+  for name, size in (("H", hidden), ("I", intermediate)):
+    if size % config.block_k:
+      return f"{name}={size} must be a multiple of block_k={config.block_k}"
+  if intermediate % config.block_n_gate_up:
+    return f"I={intermediate} must be a multiple of block_n_gate_up={config.block_n_gate_up}"
+  if hidden % config.block_n_down:
+    return f"H={hidden} must be a multiple of block_n_down={config.block_n_down}"
+  for kernel, block_n, num_rhs, out_itemsize in (
+    ("gate_up", config.block_n_gate_up, 2, dtype.itemsize),
+    ("down", config.block_n_down, 1, 4),
+  ):
+    rows, columns = config.accumulator_shape(block_n)
+    if num_rhs * rows * columns > MAX_ACC_ELEMENTS:
+      return (
+        f"the {kernel} kernel's accumulators ({num_rhs} x {rows} x {columns} per warpgroup) "
+        f"exceed {MAX_ACC_ELEMENTS} float32 elements (the register budget)"
+      )
+    smem = _smem_bytes(
+      config.block_m,
+      block_n,
+      config.block_k,
+      config.num_stages,
+      num_rhs,
+      dtype.itemsize,
+      out_itemsize,
+    )
+    if smem > SMEM_BYTES:
+      return f"the {kernel} kernel needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
+  return None
+
+
+def route_rows(num_routes: int, num_experts: int) -> int:
+  """Rows of the sorted buffers for any routing: each expert's span is rounded up to 8 rows."""
+  padded = num_routes + min(num_experts, num_routes) * (ROW_ALIGN - 1)
+  return -(-padded // ROW_ALIGN) * ROW_ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutePlan:
+  """Where each route's rows live in the sorted buffers, and the M tiles over them.
+
+  Attributes:
+    route_of_row: int32 [rows], the route (``t * k + j``) of each buffer row, -1 for padding.
+    position: int32 [T * k], the buffer row of each route (0 for dropped routes).
+    valid: bool [T * k], whether the route's expert id is in ``[0, E)``.
+    num_tiles: int32 [1], the used M tiles.
+    table: int32 [3, max_tiles]: each tile's expert, first buffer row, and rows to store (a
+      multiple of 8; 0 for unused slots). Used tiles come first.
+  """
+
+  route_of_row: jax.Array
+  position: jax.Array
+  valid: jax.Array
+  num_tiles: jax.Array
+  table: jax.Array
+
+
+def plan_routes(expert_ids: jax.Array, num_experts: int, block_m: int, rows: int) -> RoutePlan:
+  """Sorts the routes by expert into ``rows`` buffer rows and lists the tiles (XLA, on device).
+
+  Expert ``e`` with ``c`` valid routes owns the span of ``ceil(c / 8) * 8`` rows starting at a
+  multiple of 8 (a TMA copy into 8-row-tiled shared memory must start on a tile row); its
+  routes fill the span in token order, the rest of the span is padding. The span is cut into
+  ``ceil(c / block_m)`` M tiles. Routes with ids outside ``[0, E)`` get no row.
+  """
+  num_routes = expert_ids.size
+  order, valid, counts = sort_routes(expert_ids, num_experts)
+  spans = lax.div(counts + (ROW_ALIGN - 1), ROW_ALIGN) * ROW_ALIGN  # [E]
+  span_start = jnp.cumsum(spans) - spans  # [E], first row of each expert
+  expert_of_sorted = jnp.clip(expert_ids.reshape(-1)[order], 0, num_experts - 1)  # [T * k]
+  rank = jnp.arange(num_routes, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[expert_of_sorted]
+  valid_sorted = valid[order]
+  row_of_sorted = jnp.where(valid_sorted, span_start[expert_of_sorted] + rank, rows)
+  row_or_zero = jnp.where(valid_sorted, row_of_sorted, 0)
+  position = jnp.zeros((num_routes,), jnp.int32).at[order].set(row_or_zero)
+  route_of_row = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
+
+  tiles = lax.div(counts + (block_m - 1), block_m)  # [E]
+  tile_end = jnp.cumsum(tiles)  # [E], one past each expert's last tile
+  slot = jnp.arange(max_tiles(num_routes, num_experts, block_m), dtype=jnp.int32)
+  # The expert of tile `slot`: how many experts end at or before it (E for unused slots).
+  expert = jnp.sum(tile_end[None, :] <= slot[:, None], axis=1, dtype=jnp.int32)
+  expert = jnp.minimum(expert, num_experts - 1)
+  local = slot - (tile_end - tiles)[expert]  # the tile's index within its expert
+  row_start = span_start[expert] + local * block_m
+  tile_rows = jnp.clip(spans[expert] - local * block_m, 0, block_m)
+  table = jnp.stack([expert, row_start, tile_rows]).astype(jnp.int32)
+  return RoutePlan(route_of_row, position, valid, tile_end[-1:].astype(jnp.int32), table)
+
+
+def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> None:
+  """Copies the first ``rows`` rows of ``out_smem`` to ``out_ref[row_start:, columns]``.
+
+  ``rows`` (a multiple of 8, at most ``max_rows``) is only known on the device, and a TMA copy
+  has a static shape: one copy per set bit of ``rows``, largest first (jax's ragged_dot_mgpu).
+  ``out_smem`` is unswizzled so that any multiple-of-8 row offset can be sliced.
+  """
+  offset = 0  # static for the first (largest) copy, traced after
+  size = max_rows
+  while size >= ROW_ALIGN:
+    part = rows & size
+
+    @pl.when(part != 0)
+    def _copy():
+      plgpu.copy_smem_to_gmem(  # runs at once, with this iteration's offset and size
+        out_smem.at[pl.ds(offset, size)],  # noqa: B023
+        out_ref.at[pl.ds(row_start + offset, size), columns],  # noqa: B023
+      )
+
+    offset = offset + part
+    size //= 2
+
+
+def _grouped_matmul(
+  lhs: jax.Array,  # [L, K], sorted rows (L >= every tile's first row + block_m)
+  rhs: tuple[jax.Array, ...],  # each [E, K, N]
+  num_tiles: jax.Array,  # int32 [1]
+  table: jax.Array,  # int32 [3, S], see plan_routes
+  *,
+  out_rows: int,
+  out_dtype,
+  epilogue: Callable[..., jax.Array],
+  block_n: int,
+  config: TuningConfig,
+  name: str,
+  interpret: bool,
+) -> jax.Array:  # [out_rows, N], out_dtype; only the tiles' own rows are written
+  """One persistent kernel: for every used tile t and N block n,
+  ``out[rows of t, n] = epilogue(*(lhs[rows of t] @ w[expert of t][:, n] for w in rhs))``.
+
+  With ``config.warpgroups == 1`` one warpgroup issues the TMA copies and the wgmmas of a
+  ``plgpu.emit_pipeline`` per work item. With 2, a producer warpgroup issues the copies and two
+  consumer warpgroups split the block (``config.warpgroup_split``) in a
+  ``plgpu.emit_pipeline_warp_specialized`` per item (jax's ``hopper_matmul_mgpu``): the producer
+  moves on to the next item's first blocks while the consumers run the epilogue.
+  """
+  block_m, block_k = config.block_m, config.block_k
+  k_steps = lhs.shape[1] // block_k
+  n_blocks = rhs[0].shape[2] // block_n
+  swizzle = plgpu.find_swizzle(block_k * jnp.dtype(lhs.dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
+  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  # One warpgroup releases a slot one step late (delay_release=1): step s's wgmmas run while
+  # the slot of step s - 1 is refilled. With a producer warpgroup a slot is released once its
+  # wgmmas are complete (delay_release=0, as jax's hopper_matmul_mgpu): the producer starts the
+  # next item's copies as soon as the last step's slot is released, so a late release would let
+  # it overwrite a slot that the last step's wgmmas may still read.
+  delay_release = 1 if config.warpgroups == 1 else 0
+
+  def specs(n_block):
+    lhs_spec = plgpu.BlockSpec(
+      (block_m, block_k), lambda k: (0, k), transforms=transforms, delay_release=delay_release
+    )
+    rhs_spec = plgpu.BlockSpec(
+      (block_k, block_n),
+      lambda k: (k, n_block),
+      transforms=transforms,
+      delay_release=delay_release,
+    )
+    return [lhs_spec] + [rhs_spec] * len(rhs)
+
+  def work_item(table_ref, item):
+    """(N block, expert, first buffer row, rows to store) of work item ``item``."""
+    tile = lax.div(item, n_blocks)
+    row_start = pl.multiple_of(table_ref[1, tile], ROW_ALIGN)  # see plan_routes
+    return lax.rem(item, n_blocks), table_ref[0, tile], row_start, table_ref[2, tile]
+
+  def mma_step(acc_refs, lhs_smem, rhs_smems):
+    for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
+      plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+    # Wait until the wgmmas of the steps whose slots are released next are complete: the
+    # previous step's (one warpgroup; this step's run on) or this step's (with a producer).
+    plgpu.wgmma_wait(len(acc_refs) * delay_release)
+
+  def single_warpgroup(num_tiles_ref, table_ref, lhs_ref, *refs):
+    rhs_refs, out_ref = refs[:-1], refs[-1]
+
+    @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((block_m, block_n), out_dtype))
+    def _scope(out_smem):
+      @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
+      def _item(loop_info):
+        n_block, expert, row_start, rows = work_item(table_ref, loop_info.index[0])
+
+        def accumulate(*acc_refs):
+          plgpu.emit_pipeline(
+            lambda _, lhs_smem, *rhs_smems: mma_step(acc_refs, lhs_smem, rhs_smems),
+            grid=(k_steps,),
+            in_specs=specs(n_block),
+            max_concurrent_steps=config.num_stages,
+          )(lhs_ref.at[pl.ds(row_start, block_m)], *(ref.at[expert] for ref in rhs_refs))
+          return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+        accs = pl.run_scoped(
+          accumulate, *(plgpu.ACC((block_m, block_n), jnp.float32) for _ in rhs_refs)
+        )
+        result = epilogue(*accs).astype(out_dtype)  # [block_m, block_n]
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's copies are out
+        out_smem[...] = result
+        plgpu.commit_smem()
+        _store_rows(out_smem, out_ref, rows, row_start, pl.ds(n_block * block_n, block_n), block_m)
+
+      plgpu.wait_smem_to_gmem(0)
+
+  split_m = config.warpgroup_split == "m"
+  wg_rows = block_m // 2 if split_m else block_m
+  wg_cols = block_n if split_m else block_n // 2
+
+  def warp_specialized(num_tiles_ref, table_ref, lhs_ref, *refs):
+    rhs_refs, out_ref = refs[:-1], refs[-1]
+
+    def pipeline(body, compute_context, n_block):
+      return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_steps,),
+        memory_registers=40,
+        in_specs=specs(n_block),
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=config.num_stages,
+        compute_context=compute_context,
+      )
+
+    def ignore(*_, **__):
+      return None
+
+    # Allocated once for all items, so that items do not synchronise the warpgroups.
+    allocations = pipeline(ignore, ignore, 0).get_allocations(
+      lhs_ref.at[pl.ds(0, block_m)], *(ref.at[0] for ref in rhs_refs)
+    )
+
+    @functools.partial(
+      pl.run_scoped,
+      allocations=allocations,
+      out_smem=plgpu.SMEM((2, wg_rows, wg_cols), out_dtype),
+      collective_axes="wg",
+    )
+    def _scope(allocations, out_smem):
+      wg = lax.axis_index("wg")  # 0 and 1 compute, 2 produces
+      wg_row_slice = pl.ds(wg * wg_rows, wg_rows) if split_m else slice(None)
+      wg_col_slice = slice(None) if split_m else pl.ds(wg * wg_cols, wg_cols)
+
+      @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
+      def _item(loop_info):
+        n_block, expert, row_start, rows = work_item(table_ref, loop_info.index[0])
+
+        def compute_context(eval_pipeline):
+          @functools.partial(
+            pl.run_scoped, acc_refs=[plgpu.ACC((wg_rows, wg_cols)) for _ in rhs_refs]
+          )
+          def _accumulate(acc_refs):
+            eval_pipeline(acc_refs)
+            result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's copies
+            out_smem[wg] = result
+            plgpu.commit_smem()
+            if split_m:  # this warpgroup's rows of the tile
+              own_rows = jnp.clip(rows - wg * wg_rows, 0, wg_rows)
+              first_row, columns = row_start + wg * wg_rows, pl.ds(n_block * block_n, block_n)
+            else:  # this warpgroup's columns
+              own_rows, first_row = rows, row_start
+              columns = pl.ds(n_block * block_n + wg * wg_cols, wg_cols)
+            _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
+
+        def body(_, lhs_smem, *rhs_smems_and_accs):
+          *rhs_smems, acc_refs = rhs_smems_and_accs
+          rhs_smems = [rhs_smem.at[:, wg_col_slice] for rhs_smem in rhs_smems]
+          mma_step(acc_refs, lhs_smem.at[wg_row_slice], rhs_smems)
+          return acc_refs
+
+        pipeline(body, compute_context, n_block)(
+          lhs_ref.at[pl.ds(row_start, block_m)],
+          *(ref.at[expert] for ref in rhs_refs),
+          allocations=allocations,
+        )
+
+    plgpu.wait_smem_to_gmem(0)
+
+  specialized = config.warpgroups == 2
+  out_type = jax.ShapeDtypeStruct((out_rows, rhs[0].shape[2]), out_dtype)
+  return plgpu.kernel(
+    warp_specialized if specialized else single_warpgroup,
+    out_type=out_type,
+    grid=(num_sms(config.num_sms),),
+    grid_names=("sm",),
+    num_threads=3 if specialized else None,
+    thread_name="wg" if specialized else None,
+    compiler_params=plgpu.CompilerParams(approx_math=True),
+    interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
+    kernel_name=name,
+  )(num_tiles, table, lhs, *rhs)
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """``silu(g) * u`` in float32 (``silu(g) = g / (1 + exp(-g))``)."""
+  return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "padding_value"))
+def routed_experts_mosaic_gpu(
+  x: jax.Array,  # [T, H]
+  expert_ids: jax.Array,  # int32 [T, k]
+  weights: jax.Array,  # f32 [T, k]
+  w_gate: jax.Array,  # [E, H, I]
+  w_up: jax.Array,  # [E, H, I]
+  w_down: jax.Array,  # [E, I, H]
+  *,
+  config: TuningConfig,
+  interpret: bool = False,
+  padding_value: float = 0.0,
+) -> jax.Array:  # [T, H], x.dtype
+  """Plan, gate/up kernel, down kernel, combine (module docstring; inputs checked by the api).
+
+  ``padding_value`` fills the rows of ``xs`` that belong to no valid route (the tail read by
+  the last tiles, and the rows of dropped routes); tests set it to NaN to show that such rows
+  never reach the output.
+  """
+  num_tokens, top_k = expert_ids.shape
+  num_experts, hidden, _ = w_gate.shape
+  num_routes = num_tokens * top_k
+  block_m = config.block_m
+  dtype = w_gate.dtype
+
+  rows = route_rows(num_routes, num_experts)
+  plan = plan_routes(expert_ids, num_experts, block_m, rows)
+  # xs [rows + block_m, H]: x in buffer-row order. The block_m rows of tail keep every tile's
+  # rows inside the buffer; they and the spans' padding rows hold padding_value.
+  route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((block_m,), -1, jnp.int32)])
+  token_of_row = lax.div(jnp.maximum(route_of_row, 0), top_k)
+  xs = jnp.where((route_of_row >= 0)[:, None], x.astype(dtype)[token_of_row], padding_value)
+  act = _grouped_matmul(
+    xs,
+    (w_gate, w_up),
+    plan.num_tiles,
+    plan.table,
+    out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
+    out_dtype=dtype,
+    epilogue=_swiglu,
+    block_n=config.block_n_gate_up,
+    config=config,
+    name="routed_experts_gate_up",
+    interpret=interpret,
+  )  # [rows + block_m, I]
+  y = _grouped_matmul(
+    act,
+    (w_down,),
+    plan.num_tiles,
+    plan.table,
+    out_rows=rows,
+    out_dtype=jnp.float32,
+    epilogue=lambda down: down,
+    block_n=config.block_n_down,
+    config=config,
+    name="routed_experts_down",
+    interpret=interpret,
+  )  # f32 [rows, H]
+  return combine_routes(y, plan.position, plan.valid, weights).astype(x.dtype)

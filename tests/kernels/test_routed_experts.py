@@ -1,0 +1,450 @@
+"""routed_experts: XLA path and Mosaic GPU kernels against a float64 NumPy oracle."""
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+
+from jaxspec.contracts import checked_jit
+from jaxspec.kernels import routed_experts
+from jaxspec.kernels.routed_experts import mosaic_gpu
+from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig
+
+# bf16 keeps 8 significant bits. The oracle reads the same rounded inputs and rounds the
+# activation to bf16 like every path, so the error is the output's rounding (2^-9 relative),
+# the accumulation order, and, rarely, an activation rounded the other way: 2^-8 of the output
+# scale bounds them.
+RTOL = 2.0**-8
+
+
+def make_inputs(rng, num_tokens, top_k, num_experts, hidden, intermediate, expert_ids=None):
+  """bf16 tokens and weights scaled to keep every stage O(1); distinct experts per token unless
+  ``expert_ids`` is given; routing weights in (0, 1)."""
+  if expert_ids is None:
+    expert_ids = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)])
+  x = rng.standard_normal((num_tokens, hidden))
+  w_gate = rng.standard_normal((num_experts, hidden, intermediate)) / np.sqrt(hidden)
+  w_up = rng.standard_normal((num_experts, hidden, intermediate)) / np.sqrt(hidden)
+  w_down = rng.standard_normal((num_experts, intermediate, hidden)) / np.sqrt(intermediate)
+  weights = rng.uniform(0.05, 1.0, (num_tokens, top_k))
+  return (
+    jnp.asarray(x, jnp.bfloat16),
+    jnp.asarray(expert_ids, jnp.int32),
+    jnp.asarray(weights, jnp.float32),
+    jnp.asarray(w_gate, jnp.bfloat16),
+    jnp.asarray(w_up, jnp.bfloat16),
+    jnp.asarray(w_down, jnp.bfloat16),
+  )
+
+
+def numpy_oracle(x, expert_ids, weights, w_gate, w_up, w_down):
+  """float64, route by route; the activation rounded to the weights' dtype; ids outside [0, E)
+  contribute nothing."""
+  dtype = np.asarray(w_gate).dtype
+  x = np.asarray(x).astype(dtype).astype(np.float64)
+  w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in (w_gate, w_up, w_down))
+  expert_ids, weights = np.asarray(expert_ids), np.asarray(weights, np.float64)
+  out = np.zeros(x.shape)
+  for t, j in np.ndindex(*expert_ids.shape):
+    e = expert_ids[t, j]
+    if not 0 <= e < w_gate.shape[0]:
+      continue
+    g, u = x[t] @ w_gate[e], x[t] @ w_up[e]
+    act = (g / (1.0 + np.exp(-g)) * u).astype(dtype).astype(np.float64)
+    out[t] += weights[t, j] * (act @ w_down[e])
+  return out
+
+
+def assert_close(out, want):
+  out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+  assert out.shape == want.shape
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+
+
+def _skewed_ids(rng, num_tokens, top_k, num_experts):
+  """Expert 0 gets more routes than one 64-row tile holds, the last expert none."""
+  first = np.zeros((num_tokens, 1), np.int64)
+  rest = [1 + rng.permutation(num_experts - 2)[: top_k - 1] for _ in range(num_tokens)]
+  return np.concatenate([first, np.stack(rest)], axis=1)
+
+
+# name: (T, k, E, H, I, expert_ids maker or None, config). H and I stay small: interpret mode
+# runs each work item's pipeline step by step.
+SMALL = TuningConfig(block_n_gate_up=64, block_n_down=64, num_sms=4)
+CASES = {
+  "one_token_k8_e8": (1, 8, 8, 128, 128, None, SMALL),
+  "all_to_one_expert_k1": (70, 1, 8, 64, 64, lambda rng, t, k, e: np.full((t, k), 3), SMALL),
+  "sparse_e128_k8": (6, 8, 128, 64, 64, None, SMALL),
+  "sparse_e160_k8": (3, 8, 160, 64, 64, None, dataclasses.replace(SMALL, num_sms=3)),
+  "skewed_multi_tile": (70, 2, 8, 64, 64, _skewed_ids, SMALL),
+  "block_m128_block_k128": (
+    75,
+    2,
+    8,
+    128,
+    128,
+    _skewed_ids,
+    TuningConfig(block_m=128, block_n_gate_up=64, block_n_down=128, block_k=128, num_sms=2),
+  ),
+  # A producer warpgroup and two consumer warpgroups, splitting N blocks or M tiles.
+  "two_warpgroups_split_n": (
+    30,
+    2,
+    8,
+    128,
+    128,
+    _skewed_ids,
+    TuningConfig(warpgroups=2, block_n_gate_up=128, block_n_down=128, num_sms=3),
+  ),
+  "two_warpgroups_split_m": (
+    75,
+    2,
+    8,
+    64,
+    128,
+    _skewed_ids,
+    TuningConfig(
+      warpgroups=2,
+      warpgroup_split="m",
+      block_m=128,
+      block_n_gate_up=64,
+      block_n_down=64,
+      num_stages=2,
+      num_sms=2,
+    ),
+  ),
+}
+
+
+def case_inputs(name):
+  num_tokens, top_k, num_experts, hidden, intermediate, make_ids, config = CASES[name]
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  ids = None if make_ids is None else make_ids(rng, num_tokens, top_k, num_experts)
+  return make_inputs(rng, num_tokens, top_k, num_experts, hidden, intermediate, ids), config
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_interpret_matches_float64_with_nan_padding(name):
+  # Every buffer row that belongs to no route (span padding, the tail the last tiles read) is NaN,
+  # and interpret mode fills the rows the kernels never write with NaN: none may reach the output.
+  args, config = case_inputs(name)
+  out = mosaic_gpu.routed_experts_mosaic_gpu(
+    *args, config=config, interpret=True, padding_value=float("nan")
+  )
+  assert_close(out, numpy_oracle(*args))
+  assert not get_races().races_found
+
+
+@pytest.mark.parametrize("name", ["one_token_k8_e8", "sparse_e160_k8", "skewed_multi_tile"])
+def test_xla_matches_float64(name):
+  args, _ = case_inputs(name)
+  out = routed_experts(*args, impl="xla")
+  assert out.dtype == jnp.bfloat16
+  assert_close(out, numpy_oracle(*args))
+
+
+def test_api_runs_the_kernel_on_float32_tokens_like_xla():
+  # x is cast to the weights' dtype on every path; the result keeps x's dtype.
+  args, config = case_inputs("all_to_one_expert_k1")
+  x = args[0].astype(jnp.float32)
+  kernel = routed_experts(x, *args[1:], impl="pallas", interpret=True, config=config)
+  xla = routed_experts(x, *args[1:], impl="xla")
+  assert kernel.dtype == xla.dtype == jnp.float32
+  want = numpy_oracle(x, *args[1:])
+  assert_close(kernel, want)
+  assert_close(xla, want)
+
+
+def _out_of_range_inputs():
+  rng = np.random.default_rng(11)
+  ids = np.array([[0, 8], [-1, 3], [5, 100], [-7, 9], [2, 2]])
+  return make_inputs(rng, 5, 2, 8, 64, 64, ids)
+
+
+def test_out_of_range_ids_raise_on_concrete_arrays():
+  args = _out_of_range_inputs()
+  for impl in ("xla", "pallas"):
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[0, E=8\)"):
+      routed_experts(*args, impl=impl, interpret=True, config=SMALL)
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_out_of_range_ids_under_jit_contribute_nothing_on_every_path(interpret):
+  args = _out_of_range_inputs()
+  config = SMALL if interpret else dataclasses.replace(SMALL, num_sms=None)
+  outs = {
+    impl: jax.jit(
+      lambda *a, impl=impl: routed_experts(*a, impl=impl, interpret=interpret, config=config)
+    )(*args)
+    for impl in ("xla", "pallas")
+  }
+  want = numpy_oracle(*args)
+  assert np.all(want[3] == 0)  # token 3 has no valid route
+  for out in outs.values():
+    assert_close(out, want)
+  if interpret:  # the interpreter runs the kernels' float32 arithmetic as XLA does: bit-equal
+    np.testing.assert_array_equal(np.asarray(outs["xla"]), np.asarray(outs["pallas"]))
+
+
+def test_checked_mode_reports_out_of_range_ids():
+  args = _out_of_range_inputs()
+  checked = checked_jit(lambda *a: routed_experts(*a, impl="xla"))
+  with pytest.raises(ValueError, match="expert_ids must lie in"):
+    checked(*args)
+
+
+def test_bad_inputs_raise_before_compiling():
+  x, ids, weights, w_gate, w_up, w_down = make_inputs(np.random.default_rng(2), 3, 2, 8, 64, 128)
+  cases = [
+    ((x[0], ids, weights, w_gate, w_up, w_down), "x must be"),
+    ((x, ids[:2], weights, w_gate, w_up, w_down), "expert_ids must be"),
+    ((x, ids.astype(jnp.int16), weights, w_gate, w_up, w_down), "expert_ids must be int32"),
+    ((x, ids, weights[:, :1], w_gate, w_up, w_down), "weights must be"),
+    ((x, ids, weights.astype(jnp.bfloat16), w_gate, w_up, w_down), "weights must be float32"),
+    ((x, ids, weights, w_gate[0], w_up, w_down), "w_gate must be"),
+    ((x, ids, weights, w_gate, w_up[:, :32], w_down), "w_up must be"),
+    ((x, ids, weights, w_gate, w_up, w_gate), "w_down must be"),
+    ((x, ids, weights, w_gate, w_up.astype(jnp.float16), w_down), "w_up must have"),
+    ((x.astype(jnp.int32), ids, weights, w_gate, w_up, w_down), "x must be bf16"),
+  ]
+  for args, message in cases:
+    with pytest.raises(ValueError, match=message):
+      routed_experts(*args)
+  with pytest.raises(ValueError, match="impl must be"):
+    routed_experts(x, ids, weights, w_gate, w_up, w_down, impl="triton")
+
+
+def test_tuning_config_is_validated():
+  for changes, message in [
+    ({"block_m": 96}, "block_m must be 64 or 128"),
+    ({"block_n_down": 96}, "block_n_down must be a multiple of 64"),
+    ({"num_stages": 1}, "num_stages must be at least 2"),
+    ({"num_sms": 0}, "num_sms must be a positive int"),
+    ({"warpgroups": 3}, "warpgroups must be 1 or 2"),
+    ({"warpgroups": 2, "warpgroup_split": "m"}, "needs block_m=128"),
+    ({"warpgroups": 2, "block_n_down": 64}, "block_n_down to be a multiple of 128"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      TuningConfig(**changes)
+
+
+def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
+  x, ids, weights, w_gate, w_up, w_down = make_inputs(np.random.default_rng(3), 2, 2, 8, 64, 96)
+  # I = 96 is no multiple of the 64-wide blocks.
+  with pytest.raises(ValueError, match="impl='pallas' cannot serve"):
+    routed_experts(x, ids, weights, w_gate, w_up, w_down, impl="pallas", interpret=True)
+  out = routed_experts(x, ids, weights, w_gate, w_up, w_down, impl="auto", interpret=True)
+  assert_close(out, numpy_oracle(x, ids, weights, w_gate, w_up, w_down))
+  f32 = [w.astype(jnp.float32) for w in (w_gate, w_up, w_down)]
+  with pytest.raises(ValueError, match="bf16 or fp16 expert weights"):
+    routed_experts(x, ids, weights, *f32, impl="pallas", interpret=True)
+  args = make_inputs(np.random.default_rng(4), 2, 2, 8, 128, 128)
+  too_big = TuningConfig(block_m=128, block_n_gate_up=128)  # 2 x 128 x 128 accumulators
+  with pytest.raises(ValueError, match="accumulators"):
+    routed_experts(*args, impl="pallas", interpret=True, config=too_big)
+
+
+def test_route_plan_covers_every_route_once():
+  rng = np.random.default_rng(5)
+  num_experts, block_m = 16, 64
+  ids = _skewed_ids(rng, 90, 3, num_experts)
+  ids[4, 1] = -1  # dropped
+  rows = mosaic_gpu.route_rows(ids.size, num_experts)
+  plan = mosaic_gpu.plan_routes(jnp.asarray(ids, jnp.int32), num_experts, block_m, rows)
+  route_of_row, position = np.asarray(plan.route_of_row), np.asarray(plan.position)
+  valid = np.asarray(plan.valid)
+  assert valid.sum() == ids.size - 1 and not valid[4 * 3 + 1]
+  np.testing.assert_array_equal(route_of_row[position[valid]], np.flatnonzero(valid))
+  assert (route_of_row >= 0).sum() == valid.sum()
+  num_tiles = int(plan.num_tiles[0])
+  expert, row_start, tile_rows = np.asarray(plan.table)
+  assert num_tiles <= mosaic_gpu.max_tiles(ids.size, num_experts, block_m)
+  assert (tile_rows[:num_tiles] > 0).all() and (tile_rows[num_tiles:] == 0).all()
+  assert (row_start % 8 == 0).all() and (tile_rows % 8 == 0).all()
+  covered = np.full(rows, -1)
+  for e, start, count in zip(
+    expert[:num_tiles], row_start[:num_tiles], tile_rows[:num_tiles], strict=True
+  ):
+    assert (covered[start : start + count] == -1).all()  # tiles never overlap
+    covered[start : start + count] = e
+  routed = route_of_row >= 0
+  np.testing.assert_array_equal(covered[routed], ids.reshape(-1)[route_of_row[routed]])
+  assert set(expert[:num_tiles]) == set(ids[ids >= 0].reshape(-1))  # empty experts: no tile
+
+
+def test_matches_the_models_grouped_experts():
+  # The model's RoutedExperts._grouped is the function the op must keep (HF parity).
+  from jaxspec.model.config import tiny
+  from jaxspec.model.moe import RoutedExperts
+
+  config = tiny(hidden_size=64, moe_intermediate_size=64)
+  experts = RoutedExperts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((9, 64)), jnp.bfloat16)
+  ids = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(9)]), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, (9, 2)), jnp.float32)
+  want = experts(x, weights, ids, "grouped")
+  w = (experts.gate[...], experts.up[...], experts.down[...])
+  out = routed_experts(x, ids, weights, *w, impl="xla")  # the kernel matches xla elsewhere
+  np.testing.assert_allclose(
+    np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=RTOL, atol=1e-6
+  )
+
+
+GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}
+TWO_WARPGROUPS_N = TuningConfig(warpgroups=2, block_n_gate_up=128, block_n_down=256)
+TWO_WARPGROUPS_M = TuningConfig(
+  warpgroups=2, warpgroup_split="m", block_m=128, block_n_gate_up=128, block_n_down=128
+)
+
+
+@pytest.mark.parametrize(
+  ("shape", "num_tokens", "config"),
+  [
+    ("glm45_air", 1, None),
+    ("glm45_air", 64, None),
+    ("glm45_air", 2048, None),
+    ("glm45", 2048, None),
+    ("glm45_air", 64, TWO_WARPGROUPS_N),
+    ("glm45_air", 2048, TWO_WARPGROUPS_M),
+  ],
+)
+def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
+  # Interpret mode is more permissive than the real lowering: lowering for CUDA (no GPU needed)
+  # builds both kernels with their TMA copies, layouts and shared-memory budget.
+  top_k = 8
+  num_experts, hidden, intermediate = GLM_SHAPES[shape]
+  shapes = [
+    ((num_tokens, hidden), jnp.bfloat16),
+    ((num_tokens, top_k), jnp.int32),
+    ((num_tokens, top_k), jnp.float32),
+    ((num_experts, hidden, intermediate), jnp.bfloat16),
+    ((num_experts, hidden, intermediate), jnp.bfloat16),
+    ((num_experts, intermediate, hidden), jnp.bfloat16),
+  ]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+  if config is None:
+    config = mosaic_gpu.default_config(num_tokens, top_k, num_experts, hidden, intermediate)
+  assert mosaic_gpu.unsupported_reason(*args, config=config) is None
+  lowered = (
+    jax.jit(lambda *a: mosaic_gpu.routed_experts_mosaic_gpu(*a, config=config))
+    .trace(*args)
+    .lower(lowering_platforms=("cuda",))
+  )
+  assert lowered.as_text().count("mosaic_gpu") >= 2  # the gate/up and the down kernels
+
+
+# On the H200 --------------------------------------------------------------------------------
+
+
+# The two-warpgroup cases run last (test_two_warpgroup_cases_on_gpu_match_float64): should a
+# pipeline hang on the GPU, every other check has reported by then.
+ONE_WARPGROUP_CASES = [name for name, case in CASES.items() if case[-1].warpgroups == 1]
+TWO_WARPGROUP_CASES = [name for name, case in CASES.items() if case[-1].warpgroups == 2]
+
+
+def _gpu_matches_float64_with_nan_padding(name):
+  args, config = case_inputs(name)
+  config = dataclasses.replace(config, num_sms=None)
+  out = mosaic_gpu.routed_experts_mosaic_gpu(*args, config=config, padding_value=float("nan"))
+  assert_close(out, numpy_oracle(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ONE_WARPGROUP_CASES)
+def test_kernel_on_gpu_matches_float64_with_nan_padding(name):
+  _gpu_matches_float64_with_nan_padding(name)
+
+
+def _relative_rms(out, want):
+  out, want = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (out, want))
+  return np.sqrt(np.mean((out - want) ** 2) / np.mean(want**2))
+
+
+@functools.cache
+def glm_weights(shape):
+  """Expert weights at a GLM shape, drawn on the device (NumPy would take minutes), kept for
+  the module's tests."""
+  num_experts, hidden, intermediate = GLM_SHAPES[shape]
+  keys = jax.random.split(jax.random.key(zlib.crc32(shape.encode())), 3)
+  scales = (hidden**-0.5, hidden**-0.5, intermediate**-0.5)
+  shapes = [(num_experts, hidden, intermediate)] * 2 + [(num_experts, intermediate, hidden)]
+  return tuple(
+    jax.random.normal(key, size, jnp.bfloat16) * jnp.bfloat16(scale)
+    for key, size, scale in zip(keys, shapes, scales, strict=True)
+  )
+
+
+def glm_inputs(shape, num_tokens, skewed=False):
+  """Fresh tokens, top-8 routing (uniform, or every token to expert 0) and routing weights."""
+  num_experts, hidden, _ = GLM_SHAPES[shape]
+  rng = np.random.default_rng(num_tokens + 7 * skewed)
+  if skewed:
+    ids = _skewed_ids(rng, num_tokens, 8, num_experts)
+  else:
+    ids = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :8]
+  x = jax.random.normal(jax.random.key(int(rng.integers(1 << 31))), (num_tokens, hidden))
+  weights = rng.uniform(0.05, 1.0, (num_tokens, 8))
+  return (
+    x.astype(jnp.bfloat16),
+    jnp.asarray(ids, jnp.int32),
+    jnp.asarray(weights, jnp.float32),
+    *glm_weights(shape),
+  )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  ("shape", "num_tokens", "skewed"),
+  [
+    ("glm45_air", 1, False),
+    ("glm45_air", 16, False),
+    ("glm45_air", 64, False),
+    ("glm45_air", 384, False),
+    ("glm45_air", 2048, True),
+    ("glm45", 1, False),
+    ("glm45", 64, False),
+    ("glm45", 2048, True),
+  ],
+)
+def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens, skewed):
+  # Skewed: expert 0 takes all 2048 tokens (32 full tiles), the last expert none.
+  args = glm_inputs(shape, num_tokens, skewed)
+  out = routed_experts(*args, impl="pallas")
+  want = routed_experts(*args, impl="xla")
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  # Both round the same float32 sums to bf16 (activation and output): rms of 2^-8 is generous.
+  assert _relative_rms(out, want) < RTOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  "config",
+  [
+    TuningConfig(block_m=128, block_n_gate_up=64, block_n_down=128),
+    TuningConfig(block_k=128, num_stages=3),
+    TuningConfig(block_n_gate_up=64, block_n_down=256, num_stages=2),
+    TWO_WARPGROUPS_N,
+    TWO_WARPGROUPS_M,
+    dataclasses.replace(TWO_WARPGROUPS_M, num_stages=3),
+  ],
+)
+def test_tuning_configs_on_gpu_match_xla(config):
+  args = glm_inputs("glm45_air", 300)
+  out = routed_experts(*args, impl="pallas", config=config)
+  want = routed_experts(*args, impl="xla")
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert _relative_rms(out, want) < RTOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TWO_WARPGROUP_CASES)
+def test_two_warpgroup_cases_on_gpu_match_float64(name):
+  _gpu_matches_float64_with_nan_padding(name)
