@@ -154,5 +154,6 @@ class GqaAttention(nnx.Module):
           step.seq_lens,
           sm_scale=sm_scale,
           impl=step.kernels.attention,
+          interpret=step.kernels.interpret,
         )
     return self.o_proj(out.reshape(bsz, num_tokens, -1)), pages, selection

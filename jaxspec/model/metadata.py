@@ -25,9 +25,9 @@ from jaxspec.kernels.dispatch import IMPLS, Impl
 
 StepMode = Literal["plain", "prefill", "decode"]
 STEP_MODES = ("plain", "prefill", "decode")
-MoeImpl = Literal["per_route", "grouped"]
-MOE_IMPLS = ("per_route", "grouped")
-MoeChoice = Literal["auto", "per_route", "grouped"]
+MoeImpl = Literal["per_route", "grouped", "pallas"]
+MOE_IMPLS = ("per_route", "grouped", "pallas")
+MoeChoice = Literal["auto", "per_route", "grouped", "pallas"]
 MOE_CHOICES = ("auto",) + MOE_IMPLS
 IndexSharing = Literal["per_group", "per_layer"]
 INDEX_SHARINGS = ("per_group", "per_layer")
@@ -43,15 +43,18 @@ class KernelChoices:
     index_sharing: "per_group" converts an index group's top-k once, in its full layer, and the
       shared layers reuse the physical slots (GLM-5's design); "per_layer" converts in every
       layer (what a stack without sharing does; kept to measure and test the saving).
-    moe: the routed experts' implementation; "auto" lets the model decide from the number of
-      rows a forward pass starts with, *before* any row pruning
-      (`jaxspec.model.moe.choose_moe_impl`), so pruned and unpruned passes choose alike.
+    moe: the routed experts' implementation ("pallas": the Mosaic GPU kernels; "grouped",
+      "per_route": XLA); "auto" lets the model decide from the number of rows a forward pass
+      starts with, *before* any row pruning (`jaxspec.model.moe.choose_moe_impl`), so pruned
+      and unpruned passes choose alike.
+    interpret: run every Pallas kernel of the step in GPU interpret mode (tests on the CPU).
   """
 
   attention: Impl = "auto"
   index_conversion: Impl = "auto"
   index_sharing: IndexSharing = "per_group"
   moe: MoeChoice = "auto"
+  interpret: bool = False
 
   def __post_init__(self):
     for name, allowed in (

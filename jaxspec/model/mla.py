@@ -212,7 +212,7 @@ def selection_mask(topk: jax.Array, num_keys: int) -> jax.Array:
 
 
 def convert_selection(
-  selection: IndexSelection, block_tables, page_size: int, impl: str
+  selection: IndexSelection, block_tables, page_size: int, impl: str, interpret: bool = False
 ) -> IndexSelection:
   """Converts a decode step's logical top-k to physical latent-cache slots (one kernel call).
 
@@ -221,7 +221,12 @@ def convert_selection(
   bsz, q_len, k = selection.topk.shape
   req_ids = jnp.repeat(jnp.arange(bsz, dtype=jnp.int32), q_len)  # [B * q_len]
   physical, valid_counts = convert_topk_to_physical(
-    req_ids, block_tables, selection.topk.reshape(bsz * q_len, k), block_size=page_size, impl=impl
+    req_ids,
+    block_tables,
+    selection.topk.reshape(bsz * q_len, k),
+    block_size=page_size,
+    impl=impl,
+    interpret=interpret,
   )
   return IndexSelection(selection.topk, physical, valid_counts)
 
@@ -341,7 +346,11 @@ class MlaAttention(nnx.Module):
       selection = IndexSelection(self.indexer.top_k(scores))
     if selection.physical is None:
       selection = convert_selection(
-        selection, step.block_tables, pages.page_size, step.kernels.index_conversion
+        selection,
+        step.block_tables,
+        pages.page_size,
+        step.kernels.index_conversion,
+        step.kernels.interpret,
       )
     k = selection.topk.shape[-1]
     flat_pages = pages.latent[0].reshape(-1, pages.latent.shape[-1])  # [P * page, C + R]

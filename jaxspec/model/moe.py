@@ -11,18 +11,24 @@ Routing follows DeepSeek-V3 (arXiv:2412.19437, section 2.1.2) as GLM-4.5 and tra
 4. the `num_experts_per_tok` best experts are combined with weights `scores[selected]`,
    renormalised to sum to one when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
 
-Two implementations of the routed experts compute the same function:
+Three implementations of the routed experts compute the same function:
 
-- `per_route`: gathers each token's k expert matrices and runs k small matmuls per token. Reads
-  exactly the weights the tokens need: the right choice when there are few tokens.
-- `grouped`: sorts the (token, expert) assignments by expert and runs one grouped GEMM
-  (`jax.lax.ragged_dot`) per projection: each expert's weights are read once for all its tokens.
+- `pallas`: `jaxspec.kernels.routed_experts` on a Hopper GPU, two Mosaic GPU grouped-expert
+  kernels (gate and up fused with the SwiGLU, then down with the routing weight); every touched
+  expert's weights are streamed once, untouched experts are never read, at any token count;
+- `grouped` (XLA): the same op's reference, routes sorted by expert and one grouped GEMM
+  (`jax.lax.ragged_dot`) per projection;
+- `per_route` (XLA): gathers each token's k expert matrices and runs k small matmuls per token;
+  reads exactly the weights the tokens need, the fastest XLA path for a few tokens.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.kernels import routed_experts
+from jaxspec.kernels.dispatch import is_hopper_gpu
+from jaxspec.kernels.routed_experts import api as routed_experts_api
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.layers import SwiGluMlp, _normal
 from jaxspec.model.metadata import MOE_IMPLS, MoeChoice, MoeImpl
@@ -71,12 +77,23 @@ class RoutedExperts(nnx.Module):
     self.up = nnx.Param(_normal(rngs, (e, h, i), dtype, 0.02))
     self.down = nnx.Param(_normal(rngs, (e, i, h), dtype, 0.02))
 
-  def __call__(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, impl: MoeImpl):
-    """x: [N, H]; weights float32 [N, k]; expert_ids int32 [N, k] -> [N, H] in x's dtype."""
+  def __call__(
+    self,
+    x: jax.Array,  # [N, H]
+    weights: jax.Array,  # float32 [N, k]
+    expert_ids: jax.Array,  # int32 [N, k]
+    impl: MoeImpl,
+    interpret: bool = False,
+  ) -> jax.Array:  # [N, H], x.dtype
+    """The routed experts' weighted sum, by `impl` (see `MoE`)."""
     if impl == "per_route":
       return self._per_route(x, weights, expert_ids)
-    if impl == "grouped":
-      return self._grouped(x, weights, expert_ids)
+    if impl in ("grouped", "pallas"):
+      op_impl = "xla" if impl == "grouped" else "pallas"
+      w_gate, w_up, w_down = self.gate[...], self.up[...], self.down[...]
+      return routed_experts(
+        x, expert_ids, weights, w_gate, w_up, w_down, impl=op_impl, interpret=interpret
+      )
     raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
 
   def _per_route(self, x, weights, expert_ids):
@@ -89,23 +106,6 @@ class RoutedExperts(nnx.Module):
     act = (jax.nn.silu(g) * u).astype(gate.dtype)
     y = jnp.einsum("nki,nkih->nkh", act, down, preferred_element_type=jnp.float32)
     return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
-
-  def _grouped(self, x, weights, expert_ids):
-    num_tokens, top_k = expert_ids.shape
-    num_experts = self.gate.shape[0]
-    flat_experts = expert_ids.reshape(-1)  # [N * k]
-    order = jnp.argsort(flat_experts, stable=True)
-    token_of = order // top_k  # [N * k], token of each sorted assignment
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-    gate = self.gate[...]
-    xs = x.astype(gate.dtype)[token_of]  # [N * k, H]
-    g = jax.lax.ragged_dot(xs, gate, group_sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(xs, self.up[...], group_sizes, preferred_element_type=jnp.float32)
-    act = (jax.nn.silu(g) * u).astype(gate.dtype)
-    y = jax.lax.ragged_dot(act, self.down[...], group_sizes, preferred_element_type=jnp.float32)
-    y = y * weights.reshape(-1)[order][:, None]
-    out = jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(y)
-    return out.astype(x.dtype)
 
 
 class MoE(nnx.Module):
@@ -121,32 +121,57 @@ class MoE(nnx.Module):
       rngs=rngs,
     )
 
-  def __call__(self, x: jax.Array, *, moe_impl: MoeImpl) -> jax.Array:
-    """x: [..., H] -> [..., H]. `moe_impl` is decided by the caller, never from x's shape here."""
+  def __call__(self, x: jax.Array, *, moe_impl: MoeImpl, interpret: bool = False) -> jax.Array:
+    """x: [..., H] -> [..., H]. `moe_impl` is decided by the caller, never from x's shape here;
+    `interpret` runs the Pallas kernels in GPU interpret mode."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])  # [N, H]
     weights, expert_ids = self.gate(flat)
-    routed = self.experts(flat, weights, expert_ids, moe_impl)
+    routed = self.experts(flat, weights, expert_ids, moe_impl, interpret)
     return (routed + self.shared_experts(flat)).reshape(shape)
 
 
-def choose_moe_impl(num_tokens: int, config: ModelConfig) -> MoeImpl:
+def kernel_serves(num_tokens: int, config: ModelConfig, dtype) -> bool:
+  """Whether the Mosaic GPU routed-expert kernels serve this model's expert weights."""
+  e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+  k = config.num_experts_per_tok
+  shapes = (
+    jax.ShapeDtypeStruct((num_tokens, h), dtype),  # x
+    jax.ShapeDtypeStruct((num_tokens, k), jnp.int32),  # expert_ids
+    jax.ShapeDtypeStruct((num_tokens, k), jnp.float32),  # weights
+    jax.ShapeDtypeStruct((e, h, i), dtype),  # w_gate
+    jax.ShapeDtypeStruct((e, h, i), dtype),  # w_up
+    jax.ShapeDtypeStruct((e, i, h), dtype),  # w_down
+  )
+  op = routed_experts_api.OP
+  return op.unsupported_reason(*shapes, config=op.default_config(*shapes)) is None
+
+
+def choose_moe_impl(
+  num_tokens: int, config: ModelConfig, dtype=jnp.bfloat16, *, hopper: bool | None = None
+) -> MoeImpl:
   """Picks the routed-expert implementation from the token count of a step (a Python int).
 
-  `per_route` streams `num_tokens * k` expert matrices, `grouped` streams the experts its tokens
-  hit once each but pays for sorting and a grouped GEMM. Measured on an H200 with GLM-4.5-Air's
-  MoE (128 experts, top-8, bf16; benchmarks/results/draft_pruning.md): per_route is faster at 1
-  token (362 vs 463 us), grouped from 4 tokens on (585 vs 737 us at 4, 1.2 vs 2.6 ms at 16). So
-  per_route is used while `num_tokens * k < n_routed_experts / 4` (below 4 tokens there).
+  On a Hopper GPU (`hopper`, default: the current device) the Mosaic GPU kernels (`pallas`)
+  serve every token count wherever they support the weights (bf16/fp16, H and I multiples of
+  64): they stream each touched expert's weights once at any count. Elsewhere, between the XLA
+  paths: `per_route` streams `num_tokens * k` expert matrices, `grouped` streams the experts its
+  tokens hit once each but pays for sorting and a grouped GEMM. Measured on an H200 with
+  GLM-4.5-Air's MoE (128 experts, top-8, bf16; benchmarks/results/draft_pruning.md): per_route
+  is faster at 1 token (362 vs 463 us), grouped from 4 tokens on (585 vs 737 us at 4, 1.2 vs
+  2.6 ms at 16). So per_route is used while `num_tokens * k < n_routed_experts / 4`.
   Callers decide once per step, from the token count *before* any row pruning, and pass the
   result down.
   """
   if num_tokens <= 0:
     raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+  hopper = is_hopper_gpu() if hopper is None else hopper
+  if hopper and kernel_serves(num_tokens, config, dtype):
+    return "pallas"
   routes = num_tokens * config.num_experts_per_tok
   return "per_route" if 4 * routes < config.n_routed_experts else "grouped"
 
 
-def resolve_moe_impl(choice: MoeChoice, num_tokens: int, config: ModelConfig) -> MoeImpl:
+def resolve_moe_impl(choice: MoeChoice, num_tokens: int, config: ModelConfig, dtype) -> MoeImpl:
   """`choice` itself, or for "auto" the policy's pick for `num_tokens` rows (`choose_moe_impl`)."""
-  return choose_moe_impl(num_tokens, config) if choice == "auto" else choice
+  return choose_moe_impl(num_tokens, config, dtype) if choice == "auto" else choice

@@ -65,11 +65,11 @@ class DecoderLayer(nnx.Module):
     out, pages, selection = self.self_attn(self.input_layernorm(x), pages, step, selection)
     return x + out, pages, selection
 
-  def feed_forward(self, h, moe_impl: MoeImpl):
+  def feed_forward(self, h, moe_impl: MoeImpl, interpret: bool = False):
     """h: [..., H] -> h + mlp(norm(h)); `moe_impl` is already decided (never "auto")."""
     normed = self.post_attention_layernorm(h)
     if isinstance(self.mlp, MoE):
-      return h + self.mlp(normed, moe_impl=moe_impl)
+      return h + self.mlp(normed, moe_impl=moe_impl, interpret=interpret)
     return h + self.mlp(normed)
 
 
@@ -200,7 +200,7 @@ class GlmForCausalLM(nnx.Module):
     """
     _check_step(step, cache, input_ids.shape)
     _require_token_ids(input_ids, self.config.vocab_size, "input_ids")
-    moe_impl = resolve_moe_impl(step.kernels.moe, input_ids.size, self.config)
+    moe_impl = resolve_moe_impl(step.kernels.moe, input_ids.size, self.config, self.dtype)
     x = self.model.embed_tokens(input_ids)
     new_layers = []
     selection = None
@@ -213,7 +213,7 @@ class GlmForCausalLM(nnx.Module):
         # the per-layer baseline as per_group.
         shared, x = jax.lax.optimization_barrier((shared.logical_only(), x))
       x, pages, selection = layer.attend(x, pages, step, shared)
-      x = layer.feed_forward(x, moe_impl)
+      x = layer.feed_forward(x, moe_impl, step.kernels.interpret)
       new_layers.append(pages)
     hidden = self.model.norm(x)
     return hidden, (cache.replace(layers=tuple(new_layers)) if step.cached else None)
@@ -256,7 +256,7 @@ class GlmForCausalLM(nnx.Module):
     _check_step(step, cache, next_ids.shape)
     _require_token_ids(next_ids, self.config.vocab_size, "next_ids")
     # Decided from the rows before pruning, so pruned and unpruned passes run the same MoE.
-    moe_impl = resolve_moe_impl(step.kernels.moe, next_ids.size, self.config)
+    moe_impl = resolve_moe_impl(step.kernels.moe, next_ids.size, self.config, self.dtype)
     if step.cached and cache.draft is None:
       raise ValueError("the cache has no draft pages: build it with init_cache(..., draft=True)")
     mtp = self.mtp
@@ -267,7 +267,7 @@ class GlmForCausalLM(nnx.Module):
     h, pages, _ = mtp.layer.attend(mtp.eh_proj(x), pages, shifted)
     if last_token_indices is not None:
       h = jnp.take(h.reshape(-1, h.shape[-1]), last_token_indices, axis=0)  # [R, H]
-    hidden = mtp.layer.feed_forward(h, moe_impl)
+    hidden = mtp.layer.feed_forward(h, moe_impl, step.kernels.interpret)
     return hidden, (cache.replace(draft=pages) if step.cached else None)
 
   def mtp_logits(self, mtp_hidden: jax.Array) -> jax.Array:

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
 
 from jaxspec.contracts import checked_jit
@@ -277,25 +276,6 @@ def test_route_plan_covers_every_route_once():
   routed = route_of_row >= 0
   np.testing.assert_array_equal(covered[routed], ids.reshape(-1)[route_of_row[routed]])
   assert set(expert[:num_tiles]) == set(ids[ids >= 0].reshape(-1))  # empty experts: no tile
-
-
-def test_matches_the_models_grouped_experts():
-  # The model's RoutedExperts._grouped is the function the op must keep (HF parity).
-  from jaxspec.model.config import tiny
-  from jaxspec.model.moe import RoutedExperts
-
-  config = tiny(hidden_size=64, moe_intermediate_size=64)
-  experts = RoutedExperts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(6)
-  x = jnp.asarray(rng.standard_normal((9, 64)), jnp.bfloat16)
-  ids = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(9)]), jnp.int32)
-  weights = jnp.asarray(rng.uniform(0.1, 1.0, (9, 2)), jnp.float32)
-  want = experts(x, weights, ids, "grouped")
-  w = (experts.gate[...], experts.up[...], experts.down[...])
-  out = routed_experts(x, ids, weights, *w, impl="xla")  # the kernel matches xla elsewhere
-  np.testing.assert_allclose(
-    np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=RTOL, atol=1e-6
-  )
 
 
 GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}

@@ -1,5 +1,6 @@
 """MoE routing and the implementation policy."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,9 +21,33 @@ def test_per_route_and_grouped_agree(num_tokens):
   )
 
 
+def test_the_kernel_path_matches_the_xla_paths_inside_the_model():
+  """The MoE layer with the Mosaic GPU routed-expert kernels (GPU interpret mode) against both
+  XLA paths, at a kernel-friendly width (H and I multiples of 64), bf16 weights."""
+  config = tiny(hidden_size=64, moe_intermediate_size=64, n_routed_experts=8, n_group=1)
+  moe = MoE(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
+  x = jax.random.normal(jax.random.key(2), (2, 5, config.hidden_size), jnp.bfloat16)
+  outputs = {
+    impl: np.asarray(moe(x, moe_impl=impl, interpret=True), np.float32)
+    for impl in ("pallas", "grouped", "per_route")
+  }
+  chex.assert_shape(list(outputs.values()), x.shape)
+  # bf16 outputs: the paths differ by the rounding of the result (and of silu's fast exp).
+  chex.assert_trees_all_close(outputs["pallas"], outputs["grouped"], rtol=2e-2, atol=2e-3)
+  chex.assert_trees_all_close(outputs["grouped"], outputs["per_route"], rtol=2e-2, atol=2e-3)
+
+
+def test_policy_picks_the_kernel_on_hopper_where_it_serves_the_weights():
+  air = glm45_air()
+  assert [choose_moe_impl(n, air, hopper=True) for n in (1, 16, 8192)] == ["pallas"] * 3
+  # fp32 weights or widths off the kernel's tiles fall back to the XLA policy.
+  assert choose_moe_impl(1, air, jnp.float32, hopper=True) == "per_route"
+  assert choose_moe_impl(64, tiny(), jnp.bfloat16, hopper=True) == "grouped"
+
+
 def test_policy_follows_the_h200_crossover_for_glm45_air():
   air = glm45_air()
-  assert [choose_moe_impl(n, air) for n in (1, 3, 4, 16, 384)] == [
+  assert [choose_moe_impl(n, air, hopper=False) for n in (1, 3, 4, 16, 384)] == [
     "per_route",
     "per_route",
     "grouped",
