@@ -54,8 +54,11 @@ def _random_cache(model, num_pages, page_size, key):
   return jax.tree.unflatten(treedef, arrays)
 
 
-def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=True):
-  """Times of the draft (first step / all k) pruned and unpruned, verify and the cycle."""
+def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draft=True):
+  """Times of the draft (first step / all k) pruned and unpruned, verify and the cycle.
+
+  `moe` is `KernelChoices.moe`: "auto" (the model's policy), "xla" (its pick between the XLA
+  paths) or one implementation for every pass."""
   config = model.config
   graphdef, params = nnx.split(model)
   q_len = k + 1
@@ -72,8 +75,8 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, with_draft=Tru
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, q_len)), jnp.int32)
   hidden = jax.random.normal(jax.random.key(7), (batch, q_len, config.hidden_size), jnp.bfloat16)
   key = jax.random.key(0)
-  # The MoE implementation is the model's choice from each pass's unpruned row count.
-  statics = dict(sampling=GREEDY, kernels=KernelChoices())
+  # With "auto"/"xla" the model picks the MoE from each pass's unpruned row count.
+  statics = dict(sampling=GREEDY, kernels=KernelChoices(moe=moe))
   times = {}
 
   def verify(cache):
@@ -195,6 +198,15 @@ def main():
   parser.add_argument(
     "--moe-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
   )
+  parser.add_argument(
+    "--moe",
+    choices=("auto", "xla", "pallas", "grouped", "per_route"),
+    default="auto",
+    help="the steps' MoE choice (KernelChoices.moe); 'xla' = the policy before the Pallas kernel",
+  )
+  parser.add_argument(
+    "--no-moe-table", action="store_true", help="skip the per-implementation MoE table"
+  )
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, runs on the CPU")
   parser.add_argument("--out", type=Path, default=RESULTS / "draft_pruning")
   args = parser.parse_args()
@@ -225,20 +237,31 @@ def main():
     },
     "k": args.k,
     "context": args.context,
+    "moe_choice": args.moe,
     "cycles": {},
   }
   for batch in args.batches:
-    times = bench_cycle(shallow, batch, args.k, args.context, args.page_size, args.iters, args.reps)
+    times = bench_cycle(
+      shallow, batch, args.k, args.context, args.page_size, args.iters, args.reps, args.moe
+    )
     results["cycles"][batch] = times
     print(
       json.dumps({"batch": batch, **{k: round(v * 1e6, 1) for k, v in times.items()}}), flush=True
     )
-  results["moe"] = bench_moe(shallow, args.moe_tokens, 64, args.reps)
+  results["moe"] = [] if args.no_moe_table else bench_moe(shallow, args.moe_tokens, 64, args.reps)
   del shallow
   deeper = _model(base.replace(num_hidden_layers=3), seed=1)  # one more MoE layer
   for batch in args.batches:
     verify = bench_cycle(
-      deeper, batch, args.k, args.context, args.page_size, args.iters, args.reps, with_draft=False
+      deeper,
+      batch,
+      args.k,
+      args.context,
+      args.page_size,
+      args.iters,
+      args.reps,
+      args.moe,
+      with_draft=False,
     )["verify"]
     results["cycles"][batch]["verify_one_more_moe_layer"] = verify
   write_results(results, args.out)
@@ -252,7 +275,8 @@ def write_results(results, out: Path):
     f"# MTP draft row pruning ({results['device']}, jax {results['jax']}, {results['date']})",
     "",
     f"GLM-4.5-Air shapes, random bf16 weights, k = {results['k']}, context "
-    f"{results['context']} tokens per request; microseconds, median.",
+    f"{results['context']} tokens per request, MoE choice '{results.get('moe_choice', 'xla')}'; "
+    "microseconds, median.",
     "",
     "| batch | first step unpruned | first step pruned | ratio | draft (k steps) unpruned | "
     "pruned | verify (2 layers) | cycle unpruned | cycle pruned | cycle ratio | "
@@ -273,6 +297,10 @@ def write_results(results, out: Path):
       f"{t['cycle_pruned'] * 1e6:.0f} | {t['cycle_unpruned'] / t['cycle_pruned']:.3f}x | "
       f"{est_unpruned / est_pruned:.3f}x |"
     )
+  if not results["moe"]:
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return
   lines += [
     "",
     "## Routed-expert MoE of one layer (microseconds)",

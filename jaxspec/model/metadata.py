@@ -27,8 +27,8 @@ StepMode = Literal["plain", "prefill", "decode"]
 STEP_MODES = ("plain", "prefill", "decode")
 MoeImpl = Literal["per_route", "grouped", "pallas"]
 MOE_IMPLS = ("per_route", "grouped", "pallas")
-MoeChoice = Literal["auto", "per_route", "grouped", "pallas"]
-MOE_CHOICES = ("auto",) + MOE_IMPLS
+MoeChoice = Literal["auto", "xla", "per_route", "grouped", "pallas"]
+MOE_CHOICES = ("auto", "xla") + MOE_IMPLS
 IndexSharing = Literal["per_group", "per_layer"]
 INDEX_SHARINGS = ("per_group", "per_layer")
 
@@ -46,7 +46,7 @@ class KernelChoices:
     moe: the routed experts' implementation ("pallas": the Mosaic GPU kernels; "grouped",
       "per_route": XLA); "auto" lets the model decide from the number of rows a forward pass
       starts with, *before* any row pruning (`jaxspec.model.moe.choose_moe_impl`), so pruned
-      and unpruned passes choose alike.
+      and unpruned passes choose alike; "xla" decides the same way between the XLA paths only.
     interpret: run every Pallas kernel of the step in GPU interpret mode (tests on the CPU).
   """
 

@@ -173,5 +173,8 @@ def choose_moe_impl(
 
 
 def resolve_moe_impl(choice: MoeChoice, num_tokens: int, config: ModelConfig, dtype) -> MoeImpl:
-  """`choice` itself, or for "auto" the policy's pick for `num_tokens` rows (`choose_moe_impl`)."""
-  return choose_moe_impl(num_tokens, config, dtype) if choice == "auto" else choice
+  """`choice` itself, or the policy's pick for `num_tokens` rows (`choose_moe_impl`) for "auto",
+  and for "xla" its pick between the XLA paths."""
+  if choice in ("auto", "xla"):
+    return choose_moe_impl(num_tokens, config, dtype, hopper=False if choice == "xla" else None)
+  return choice
