@@ -70,8 +70,22 @@ VARIANTS = {
     blocks_per_sm=4, num_stages=3, stage_table_in_smem=False
   ),
   "pallas_persistent_8x2_chunk1024": TuningConfig(blocks_per_sm=8, num_stages=2, chunk=1024),
+  "pallas_chunk1024": TuningConfig(chunk=1024),  # one block per token, two pipelined segments
+  "pallas_persistent_4x3_contiguous": TuningConfig(
+    blocks_per_sm=4, num_stages=3, contiguous_groups=True
+  ),
+  "pallas_persistent_4x3_gmem_contiguous": TuningConfig(
+    blocks_per_sm=4, num_stages=3, stage_table_in_smem=False, contiguous_groups=True
+  ),
+  "pallas_persistent_8x2_gmem_contiguous": TuningConfig(
+    blocks_per_sm=8, num_stages=2, stage_table_in_smem=False, contiguous_groups=True
+  ),
 }
-ANY_TOPK_VARIANTS = ("pallas_smem_table", "pallas_persistent_4x3", "pallas_persistent_8x2")
+ANY_TOPK_VARIANTS = (
+  "pallas_smem_table",
+  "pallas_persistent_4x3",
+  "pallas_persistent_8x2_gmem_contiguous",
+)
 DEFAULT = "pallas_smem_table"
 assert VARIANTS[DEFAULT] == mosaic_gpu.default_config()
 

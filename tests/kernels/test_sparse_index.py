@@ -190,15 +190,18 @@ KERNEL_CASES = [
   KernelCase(
     "k1-persistent-vec1", 11, 1, 8, 8, None, mosaic_gpu.TuningConfig(vector_size=1, **_PERSISTENT)
   ),
-  # K a multiple of 4 but of no tile, one token per group, persistent with GMEM lookups.
+  # K a multiple of 4 but of no tile, one token per group, persistent over runs of consecutive
+  # groups with GMEM lookups.
   KernelCase(
-    "k260-persistent-gmem-chunk512",
-    6,
+    "k260-persistent-contiguous-gmem-chunk512",
+    7,
     260,
     8,
     8,
     None,
-    mosaic_gpu.TuningConfig(stage_table_in_smem=False, chunk=512, **_PERSISTENT),
+    mosaic_gpu.TuningConfig(
+      stage_table_in_smem=False, chunk=512, contiguous_groups=True, **_PERSISTENT
+    ),
   ),
 ]
 
@@ -326,6 +329,7 @@ def test_bad_host_arguments_raise_before_compiling(call):
     dict(num_stages=2.0),
     dict(num_sms=-1),
     dict(stage_table_in_smem="yes"),
+    dict(contiguous_groups=1),
   ],
   ids=str,
 )
@@ -526,6 +530,13 @@ LOWERING_CASES = [
     mosaic_gpu.TuningConfig(blocks_per_sm=2, vector_size=1, chunk=1024),
   ),
   LoweringCase("k2047-smem", 7, 2047, 12, mosaic_gpu.TuningConfig()),
+  LoweringCase(
+    "k2048-persistent-contiguous-gmem",
+    600,
+    2048,
+    1024,
+    mosaic_gpu.TuningConfig(blocks_per_sm=8, contiguous_groups=True, stage_table_in_smem=False),
+  ),
   LoweringCase("k100-gmem", 9, 100, 8, mosaic_gpu.TuningConfig(stage_table_in_smem=False)),
   LoweringCase("k3", 3, 3, 5, mosaic_gpu.TuningConfig()),
   LoweringCase("k512-chunk512", 5, 512, 8, mosaic_gpu.TuningConfig(chunk=512, vector_size=2)),
@@ -552,8 +563,8 @@ GPU_CONFIGS = {
   "default": mosaic_gpu.TuningConfig(),
   "gmem": mosaic_gpu.TuningConfig(stage_table_in_smem=False),
   "persistent-4x3": mosaic_gpu.TuningConfig(blocks_per_sm=4, num_stages=3),
-  "persistent-8x2-gmem": mosaic_gpu.TuningConfig(
-    blocks_per_sm=8, num_stages=2, stage_table_in_smem=False
+  "persistent-8x2-gmem-contiguous": mosaic_gpu.TuningConfig(
+    blocks_per_sm=8, num_stages=2, stage_table_in_smem=False, contiguous_groups=True
   ),
 }
 

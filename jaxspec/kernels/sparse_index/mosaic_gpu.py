@@ -30,8 +30,10 @@ which are static. Two ends need care:
 Grid and pipeline
 -----------------
 ``TuningConfig.blocks_per_sm = None`` launches one thread block (one warpgroup) per group;
-an int launches a persistent grid of ``min(groups, blocks_per_sm * num_sms)`` blocks, block ``b``
-taking groups ``b, b + num_blocks, ...``. Either way a block runs its steps (group, segment)
+an int launches a persistent grid of at most ``blocks_per_sm * num_sms`` blocks, block ``b``
+taking groups ``b, b + num_blocks, ...``, or with ``contiguous_groups`` a run of consecutive
+groups (the tokens of one request then stay on one SM, where lookups of its table row in global
+memory hit L1). Either way a block runs its steps (group, segment)
 through a ring of ``num_stages`` shared-memory slots: the loads of step ``j + num_stages - 1``
 (the top-k segment and, when staged, the block-table rows of the group's requests, copied again
 for every segment of a group wider than ``chunk``) are issued before step ``j`` is converted, so
@@ -110,6 +112,8 @@ class TuningConfig:
     blocks_per_sm: ``None``: one thread block per token group. An int: a persistent grid of
       ``blocks_per_sm * num_sms`` blocks (fewer when there are fewer groups) that loop over the
       groups.
+    contiguous_groups: on a persistent grid, each block takes a run of consecutive groups
+      instead of every ``num_blocks``-th one.
     num_stages: shared-memory slots per block: loads run ``num_stages - 1`` steps ahead of the
       conversion. Only a block with several steps (persistent grid, or a group of several
       segments) uses more than one.
@@ -121,12 +125,14 @@ class TuningConfig:
   vector_size: int = 4
   chunk: int = 2048
   blocks_per_sm: int | None = None
+  contiguous_groups: bool = False
   num_stages: int = 2
   num_sms: int | None = None
 
   def __post_init__(self):
-    if not isinstance(self.stage_table_in_smem, bool):
-      raise ValueError(f"stage_table_in_smem must be a bool, got {self.stage_table_in_smem!r}")
+    for name in ("stage_table_in_smem", "contiguous_groups"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.vector_size not in (1, 2, 4) or isinstance(self.vector_size, bool):
       raise ValueError(f"vector_size must be 1, 2 or 4, got {self.vector_size!r}")
     dispatch.validate_config_fields(self, positive=("chunk", "blocks_per_sm", "num_stages"))
@@ -156,6 +162,7 @@ class WorkPlan:
   chunk: int  # C: the register tile of one step, a multiple of 128 * vector_size
   num_groups: int
   num_blocks: int
+  contiguous_groups: bool  # block b converts groups b * groups_per_block + i, else b + i * blocks
   num_stages: int
   stage_table: bool
 
@@ -182,6 +189,13 @@ class WorkPlan:
   @property
   def groups_per_block(self) -> int:
     return -(-self.num_groups // self.num_blocks)
+
+  @property
+  def last_group_block(self) -> int:
+    """The block that converts the last group."""
+    if self.contiguous_groups:
+      return self.last_group // self.groups_per_block
+    return self.last_group % self.num_blocks
 
   def segment_length(self, segment: int, last_group: bool) -> int:
     """Entries of ``segment`` that the bulk copies move (a multiple of 4, possibly 0)."""
@@ -217,6 +231,8 @@ def work_plan(num_tokens, topk_size, max_blocks, config: TuningConfig) -> WorkPl
     num_blocks = num_groups
   else:
     num_blocks = min(num_groups, config.blocks_per_sm * dispatch.num_sms(config.num_sms))
+    if config.contiguous_groups:  # runs of equal length; no block left without a group
+      num_blocks = -(-num_groups // -(-num_groups // num_blocks))
   steps_per_block = -(-num_groups // num_blocks) * -(-group_size // chunk)
   num_stages = min(config.num_stages, steps_per_block)
   table_bytes = num_stages * tokens_per_group * max_blocks * 4
@@ -232,6 +248,7 @@ def work_plan(num_tokens, topk_size, max_blocks, config: TuningConfig) -> WorkPl
     chunk=chunk,
     num_groups=num_groups,
     num_blocks=num_blocks,
+    contiguous_groups=config.contiguous_groups,
     num_stages=num_stages,
     stage_table=stage_table,
   )
@@ -335,6 +352,8 @@ def convert_topk_to_physical_mosaic_gpu(
     block_id = lax.axis_index("block")
 
     def group_of(local_group):  # the block's `local_group`-th group
+      if plan.contiguous_groups:
+        return block_id * plan.groups_per_block + local_group
       return block_id + local_group * plan.num_blocks
 
     def slot_of(local_group, segment):
@@ -374,7 +393,8 @@ def convert_topk_to_physical_mosaic_gpu(
           oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
         )
 
-      @pl.when(group < plan.num_groups)
+      # A step past the block's last group loads nothing (and is never waited for).
+      @pl.when((local_group < plan.groups_per_block) & (group < plan.num_groups))
       def _():
         for_group_kind(group, segment, copy_segment)
         if plan.stage_table:
@@ -492,7 +512,7 @@ def convert_topk_to_physical_mosaic_gpu(
 
     if plan.array_tail:  # the array's final N % 4 entries: scalar loads and stores
 
-      @pl.when(block_id == plan.last_group % plan.num_blocks)
+      @pl.when(block_id == plan.last_group_block)
       def _():
         for flat in plan.array_tail:
           token = flat // topk_size
