@@ -412,8 +412,9 @@ def test_property_xla_matches_oracle(drawn):
 
 
 # Few (shape, configuration) pairs and a fixed block geometry: each compiles once in interpret
-# mode. Shapes are (T, K, R, max_blocks): K = 5 packs 8 tokens per group with N % 4 != 0, K = 130
-# spans tokens across the persistent kernel's 512-entry segments, K = 512 is a whole tile.
+# mode. Shapes are (T, K, R, max_blocks): K = 5 packs 8 tokens per group with N % 4 != 0; K = 130
+# (not a multiple of 4) packs 2 tokens per group into a 512-entry tile with a masked tail, on a
+# persistent pipelined grid; K = 512 with T = 2 is one group of 4 with two missing tokens.
 _INTERPRET_SHAPES = [(3, 5, 2, 4), (5, 130, 3, 8), (2, 512, 2, 4)]
 _INTERPRET_RUNS = [
   ((3, 5, 2, 4), mosaic_gpu.TuningConfig()),
