@@ -62,8 +62,6 @@ TuningConfig = mosaic_gpu.TuningConfig
 VARIANTS = {
   "pallas_smem_table": TuningConfig(),  # the default configuration
   "pallas_gmem_table": TuningConfig(stage_table_in_smem=False),
-  "pallas_persistent_2x4": TuningConfig(blocks_per_sm=2, num_stages=4),
-  "pallas_persistent_4x2": TuningConfig(blocks_per_sm=4, num_stages=2),
   "pallas_persistent_4x3": TuningConfig(blocks_per_sm=4, num_stages=3),
   "pallas_persistent_8x2": TuningConfig(blocks_per_sm=8, num_stages=2),
   "pallas_persistent_4x3_gmem": TuningConfig(
