@@ -1,28 +1,36 @@
-"""Sparse-index conversion on one GPU: the Mosaic GPU kernel vs the fused XLA expression.
+"""Sparse-index conversion on one GPU: Mosaic GPU kernel variants vs the fused XLA expression.
 
-Shapes of GLM-5 sparse MLA decode with MTP: top-k 2048, block 64, four tokens per
-request (q_len 4), context lengths drawn in [1k, 64k) tokens (shorter contexts pad
-their top-k rows with -1), block tables shuffled over a larger pool. Contenders
-run side by side in one process on the same inputs and are checked against NumPy
-before they are timed.
+Shapes of GLM-5 sparse MLA decode with MTP: block 64, four tokens per request (q_len 4), context
+lengths drawn in [1k, 64k) tokens (shorter contexts pad their top-k rows with -1), block tables
+shuffled over a larger pool; top-k K in {2048 (GLM-5), 2047 (off every tile and not a multiple
+of 4), 512 and 128 (vLLM's test widths)} at T in {64, 512, 4096} tokens. Contenders run side by
+side in one process on the same inputs and are checked against NumPy before they are timed:
 
-Timing, two ways, both on ``SETS`` distinct input sets per jitted program (so the
-inputs are not served from L2 by the previous call):
+* at K = 2048, every kernel variant of ``VARIANTS`` (``TuningConfig`` alternatives: one block
+  per token group or a persistent grid of ``blocks_per_sm`` blocks per SM, ``num_stages`` SMEM
+  slots, block table staged in SMEM or read in place);
+* at the other K, XLA, the default configuration and the variants of ``ANY_TOPK_VARIANTS``.
 
-* ``kernel_us``: device-side kernel time from CUPTI (Mosaic GPU's profiler), the
-  sum of the op's kernels per call; median over repetitions, warm-up excluded.
+Timing, two ways, both on ``SETS`` distinct input sets per jitted program (so the inputs are not
+served from L2 by the previous call):
+
+* ``kernel_us``: device-side kernel time from CUPTI (Mosaic GPU's profiler), the sum of the op's
+  kernels per call; median over repetitions, warm-up excluded.
 * ``step_us``: the op's share of a jitted program, launch gaps included:
-  (wall(2 * SETS calls) - wall(SETS calls)) / SETS, which cancels dispatch and
-  synchronisation; median over repetitions.
+  (wall(2 * SETS calls) - wall(SETS calls)) / SETS, which cancels dispatch and synchronisation;
+  median over repetitions.
 
-Effective bandwidth counts the bytes that must move: top-k read plus physical
-slots written (8 * T * K) plus request ids and counts (8 * T); the block-table
-rows (L2-resident) are left out, as in the issue's 15 us figure.
+Effective bandwidth counts the bytes that must move: top-k read plus physical slots written
+(8 * T * K) plus request ids and counts (8 * T); the block-table rows (L2-resident) are left out,
+as in the issue's 14.9 us floor at T = 4096, K = 2048.
 
-Usage: ``python benchmarks/bench_sparse_index.py [--out DIR]``.
+Usage: ``python benchmarks/bench_sparse_index.py [--out DIR] [--target-only] [--table-only]``;
+about 3 minutes on an H200. ``--target-only`` times T = 4096, K = 2048 only (under a minute) and
+writes ``sparse_index_target.{json,md}`` instead of ``sparse_index.{json,md}``.
 """
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -39,7 +47,10 @@ from jaxspec.kernels import convert_topk_to_physical
 from jaxspec.kernels.sparse_index import mosaic_gpu
 
 TOKEN_COUNTS = (64, 512, 4096)
-TOPK = 2048
+TOPK = 2048  # GLM-5's top-k: every variant is timed here
+OTHER_TOPKS = (2047, 512, 128)
+TARGET = (4096, 2048)  # (T, K) of the issue's target
+TARGET_US = 16.5
 BLOCK_SIZE = 64
 TOKENS_PER_REQUEST = 4
 MAX_CONTEXT = 65536
@@ -47,29 +58,58 @@ SETS = 8
 REPEATS = 30
 PEAK_TBPS = 4.5  # the issue's figure for the H200's usable HBM bandwidth
 
-CONTENDERS = {
-  "xla": dict(impl="xla"),
-  "pallas_smem_table": dict(impl="pallas", config=mosaic_gpu.TuningConfig()),
-  "pallas_gmem_table": dict(
-    impl="pallas", config=mosaic_gpu.TuningConfig(stage_table_in_smem=False)
+TuningConfig = mosaic_gpu.TuningConfig
+VARIANTS = {
+  "pallas_smem_table": TuningConfig(),  # the default configuration
+  "pallas_gmem_table": TuningConfig(stage_table_in_smem=False),
+  "pallas_persistent_4x3": TuningConfig(blocks_per_sm=4, num_stages=3),
+  "pallas_persistent_8x2": TuningConfig(blocks_per_sm=8, num_stages=2),
+  "pallas_persistent_4x3_gmem": TuningConfig(
+    blocks_per_sm=4, num_stages=3, stage_table_in_smem=False
+  ),
+  "pallas_persistent_8x2_chunk1024": TuningConfig(blocks_per_sm=8, num_stages=2, chunk=1024),
+  "pallas_chunk1024": TuningConfig(chunk=1024),  # one block per token, two pipelined segments
+  "pallas_persistent_4x3_contiguous": TuningConfig(
+    blocks_per_sm=4, num_stages=3, contiguous_groups=True
+  ),
+  "pallas_persistent_4x3_gmem_contiguous": TuningConfig(
+    blocks_per_sm=4, num_stages=3, stage_table_in_smem=False, contiguous_groups=True
+  ),
+  "pallas_persistent_8x2_gmem_contiguous": TuningConfig(
+    blocks_per_sm=8, num_stages=2, stage_table_in_smem=False, contiguous_groups=True
   ),
 }
+ANY_TOPK_VARIANTS = (
+  "pallas_smem_table",
+  "pallas_persistent_4x3",
+  "pallas_persistent_8x2_gmem_contiguous",
+)
+DEFAULT = "pallas_smem_table"
+assert VARIANTS[DEFAULT] == mosaic_gpu.default_config()
 
 
-def make_inputs(rng, num_tokens):
+def contenders_for(topk_size):
+  names = VARIANTS if topk_size == TOPK else ANY_TOPK_VARIANTS
+  return {"xla": dict(impl="xla")} | {
+    name: dict(impl="pallas", config=VARIANTS[name]) for name in names
+  }
+
+
+def make_inputs(rng, num_tokens, topk_size):
   num_requests = max(num_tokens // TOKENS_PER_REQUEST, 1)
   max_blocks = MAX_CONTEXT // BLOCK_SIZE
   pool = rng.permutation(2 * num_requests * max_blocks)
   block_table = pool[: num_requests * max_blocks].reshape(num_requests, max_blocks)
   req_ids = np.arange(num_tokens) // TOKENS_PER_REQUEST % num_requests
   seq_lens = rng.integers(1024, MAX_CONTEXT, num_requests)[req_ids]  # [T]
-  topk = (rng.random((num_tokens, TOPK)) * seq_lens[:, None]).astype(np.int64)
+  topk = (rng.random((num_tokens, topk_size)) * seq_lens[:, None]).astype(np.int64)
   # Contexts shorter than top-k: the indexer pads the tail of the row with -1.
-  topk = np.where(np.arange(TOPK)[None, :] < seq_lens[:, None], topk, -1)
+  topk = np.where(np.arange(topk_size)[None, :] < seq_lens[:, None], topk, -1)
   return tuple(a.astype(np.int32) for a in (req_ids, block_table, topk))
 
 
 def numpy_reference(req_ids, block_table, topk):
+  """In int64; every entry of these tables is in range and every request id is a row."""
   block, offset = topk // BLOCK_SIZE, topk % BLOCK_SIZE
   valid = (topk >= 0) & (block < block_table.shape[1])
   entry = block_table.astype(np.int64)[req_ids[:, None], np.where(valid, block, 0)]
@@ -88,72 +128,104 @@ def wall_us(fn, sets):
   return (time.perf_counter() - start) * 1e6
 
 
-def bench_kernel_vs_xla():
-  rng = np.random.default_rng(0)
-  rows = []
-  for num_tokens in TOKEN_COUNTS:
-    host_sets = [make_inputs(rng, num_tokens) for _ in range(2 * SETS)]
-    sets = [tuple(jnp.asarray(a) for a in s) for s in host_sets]
-    want = numpy_reference(*host_sets[0])
-    moved_bytes = 8 * num_tokens * TOPK + 8 * num_tokens
-    row = {"tokens": num_tokens, "moved_bytes": moved_bytes}
-    for name, kwargs in CONTENDERS.items():
-      single, double = program(kwargs, SETS), program(kwargs, 2 * SETS)
-      physical, counts = single(sets)[0]
-      np.testing.assert_array_equal(np.asarray(physical), want[0], err_msg=name)
-      np.testing.assert_array_equal(np.asarray(counts), want[1], err_msg=name)
-      jax.block_until_ready(double(sets))  # warm-up: compilation and first launch
-      try:
-        _, per_kernel = profiler.measure(single, aggregate=False)(sets)
-        _, kernel_ms = profiler.measure(single, iterations=REPEATS)(sets)
-        kernel_us = statistics.median(kernel_ms) * 1e3 / SETS
-      except RuntimeError as error:  # no CUPTI on this machine: report the step time only
-        print(f"{name}: CUPTI timing unavailable ({error})")
-        per_kernel, kernel_us = [], float("nan")
-      steps = [(wall_us(double, sets) - wall_us(single, sets)) / SETS for _ in range(REPEATS)]
-      step_us = statistics.median(steps)
-      row[name] = {
-        "kernel_us": kernel_us,
-        "step_us": step_us,
-        "kernels_per_call": len(per_kernel) // SETS,
-        "kernel_names": sorted({kernel for kernel, _ in per_kernel}),
-        "effective_TBps": moved_bytes / kernel_us / 1e6,
-      }
-    for name in CONTENDERS:
-      if name != "xla":
-        row[name]["speedup_kernel"] = row["xla"]["kernel_us"] / row[name]["kernel_us"]
-        row[name]["speedup_step"] = row["xla"]["step_us"] / row[name]["step_us"]
-    rows.append(row)
-  return rows
+def time_contender(kwargs, sets, want, name):
+  single, double = program(kwargs, SETS), program(kwargs, 2 * SETS)
+  physical, counts = single(sets)[0]
+  np.testing.assert_array_equal(np.asarray(physical), want[0], err_msg=name)
+  np.testing.assert_array_equal(np.asarray(counts), want[1], err_msg=name)
+  jax.block_until_ready(double(sets))  # warm-up: compilation and first launch
+  try:
+    _, per_kernel = profiler.measure(single, aggregate=False)(sets)
+    _, kernel_ms = profiler.measure(single, iterations=REPEATS)(sets)
+    kernel_us = statistics.median(kernel_ms) * 1e3 / SETS
+  except RuntimeError as error:  # no CUPTI on this machine: report the step time only
+    print(f"{name}: CUPTI timing unavailable ({error})")
+    per_kernel, kernel_us = [], float("nan")
+  steps = [(wall_us(double, sets) - wall_us(single, sets)) / SETS for _ in range(REPEATS)]
+  return {
+    "kernel_us": kernel_us,
+    "step_us": statistics.median(steps),
+    "kernels_per_call": len(per_kernel) // SETS,
+    "kernel_names": sorted({kernel for kernel, _ in per_kernel}),
+  }
+
+
+def bench_shape(rng, num_tokens, topk_size):
+  host_sets = [make_inputs(rng, num_tokens, topk_size) for _ in range(2 * SETS)]
+  sets = [tuple(jnp.asarray(a) for a in s) for s in host_sets]
+  want = numpy_reference(*host_sets[0])
+  moved_bytes = 8 * num_tokens * topk_size + 8 * num_tokens
+  row = {"tokens": num_tokens, "topk": topk_size, "moved_bytes": moved_bytes}
+  for name, kwargs in contenders_for(topk_size).items():
+    started = time.perf_counter()
+    entry = time_contender(kwargs, sets, want, name)
+    entry["effective_TBps"] = moved_bytes / entry["kernel_us"] / 1e6
+    if name != "xla":
+      entry["speedup_kernel"] = row["xla"]["kernel_us"] / entry["kernel_us"]
+      entry["speedup_step"] = row["xla"]["step_us"] / entry["step_us"]
+    row[name] = entry
+    print(
+      f"T={num_tokens:5d} K={topk_size:5d} {name:34s} kernel {entry['kernel_us']:7.1f} us  "
+      f"step {entry['step_us']:7.1f} us  ({time.perf_counter() - started:.1f} s)",
+      flush=True,
+    )
+  return row
+
+
+def pallas_names(row):
+  return [name for name in row if name.startswith("pallas_")]
+
+
+def best_variant(row):
+  return min(pallas_names(row), key=lambda name: row[name]["kernel_us"])
 
 
 def markdown(result):
   lines = [
-    "# Sparse-index conversion: Mosaic GPU kernel vs fused XLA",
+    "# Sparse-index conversion: Mosaic GPU kernel variants vs fused XLA",
     "",
-    f"{result['gpu']}, jax {result['jax']}, {result['date']}. Top-k {TOPK}, block "
-    f"{BLOCK_SIZE}, {TOKENS_PER_REQUEST} tokens per request, contexts < {MAX_CONTEXT}. "
-    "kernel = CUPTI kernel time per call; step = share of a jitted program incl. launch "
-    "gaps; TB/s = (8 T K + 8 T) bytes / kernel time. Medians of "
-    f"{REPEATS} runs over {SETS} rotating input sets.",
+    f"{result['gpu']}, jax {result['jax']}, {result['date']}. Block {BLOCK_SIZE}, "
+    f"{TOKENS_PER_REQUEST} tokens per request, contexts < {MAX_CONTEXT}. kernel = CUPTI kernel "
+    "time per call; step = share of a jitted program incl. launch gaps; TB/s = (8 T K + 8 T) "
+    f"bytes / kernel time; floor = those bytes at {PEAK_TBPS} TB/s. Medians of {REPEATS} runs "
+    f"over {SETS} rotating input sets. Variants (TuningConfig fields):",
     "",
-    f"floor = bytes that must move at {PEAK_TBPS} TB/s.",
-    "",
-    "| T | contender | kernels | kernel us | step us | floor us | TB/s | speed-up kernel / step |",
-    "| --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
-  for row in result["kernel_vs_xla"]:
-    for name in CONTENDERS:
+  for name, fields in result["variants"].items():
+    lines.append(f"- `{name}`: {fields}")
+  lines += [
+    "",
+    "| T | K | contender | kernels | kernel us | step us | floor us | TB/s "
+    "| speed-up kernel / step |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  rows = result["kernel_vs_xla"] + result["any_topk"]
+  for row in rows:
+    for name in ["xla", *pallas_names(row)]:
       entry = row[name]
       speedup = (
         f"{entry['speedup_kernel']:.2f}x / {entry['speedup_step']:.2f}x" if name != "xla" else "1"
       )
       lines.append(
-        f"| {row['tokens']} | {name} | {entry['kernels_per_call']} | "
+        f"| {row['tokens']} | {row.get('topk', TOPK)} | {name} | {entry['kernels_per_call']} | "
         f"{entry['kernel_us']:.1f} | {entry['step_us']:.1f} | "
-        f"{row['moved_bytes'] / PEAK_TBPS / 1e6:.1f} | "
-        f"{entry['effective_TBps']:.2f} | {speedup} |"
+        f"{row['moved_bytes'] / PEAK_TBPS / 1e6:.1f} | {entry['effective_TBps']:.2f} | {speedup} |"
       )
+  lines += [
+    "",
+    "Summary (kernel us): the default configuration, the fastest variant, and the target "
+    f"(<= {TARGET_US} us at T = {TARGET[0]}, K = {TARGET[1]}).",
+    "",
+    "| T | K | floor | xla | default | fastest variant | fastest us |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for row in rows:
+    best = best_variant(row)
+    lines.append(
+      f"| {row['tokens']} | {row.get('topk', TOPK)} | {row['moved_bytes'] / PEAK_TBPS / 1e6:.1f} "
+      f"| {row['xla']['kernel_us']:.1f} | {row[DEFAULT]['kernel_us']:.1f} | {best} | "
+      f"{row[best]['kernel_us']:.1f} |"
+    )
   return "\n".join(lines) + "\n"
 
 
@@ -163,21 +235,32 @@ def main():
   parser.add_argument(
     "--table-only", action="store_true", help="rewrite the markdown from the JSON in --out"
   )
+  parser.add_argument(
+    "--target-only", action="store_true", help=f"time only T, K = {TARGET} (all variants)"
+  )
   args = parser.parse_args()
   if args.table_only:
     result = json.loads((args.out / "sparse_index.json").read_text())
     (args.out / "sparse_index.md").write_text(markdown(result))
     return
+  rng = np.random.default_rng(0)
+  token_counts = (TARGET[0],) if args.target_only else TOKEN_COUNTS
+  other_topks = () if args.target_only else OTHER_TOPKS
   result = {
     "gpu": jax.devices()[0].device_kind,
     "jax": jax.__version__,
     "date": datetime.date.today().isoformat(),
-    "kernel_vs_xla": bench_kernel_vs_xla(),
+    "variants": {name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
+    # K = 2048 rows (the notebook reads this section), then the other widths.
+    "kernel_vs_xla": [bench_shape(rng, tokens, TOPK) for tokens in token_counts],
+    "any_topk": [bench_shape(rng, t, k) for k in other_topks for t in token_counts],
   }
+  # A target-only run keeps the full results (the notebook reads them) and writes beside them.
+  stem = "sparse_index_target" if args.target_only else "sparse_index"
   args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "sparse_index.json").write_text(json.dumps(result, indent=2) + "\n")
+  (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
   table = markdown(result)
-  (args.out / "sparse_index.md").write_text(table)
+  (args.out / f"{stem}.md").write_text(table)
   print(table)
 
 
