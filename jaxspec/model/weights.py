@@ -377,24 +377,21 @@ class _TensorFiles:
       self._check_index(weight_map, files[0].parent / INDEX_NAME)
 
   def _check_index(self, weight_map: dict[str, str], index_file: Path):
+    """Every tensor must be stored where the index says, and every indexed tensor stored."""
+    directory = index_file.parent
     wrong = [
       f"{name} (index: {weight_map.get(name)}, stored in {file.name})"
       for name, file in self.file_of.items()
-      if weight_map.get(name) != file.name
+      if name not in weight_map or directory / weight_map[name] != file
     ]
     absent = [f"{name} (index: {weight_map[name]})" for name in weight_map if name not in self]
-    if wrong or absent:
-      raise ValueError(
-        f"{index_file} does not describe the files beside it: "
-        + "; ".join(
-          part
-          for part in (
-            wrong and f"{len(wrong)} tensor(s) in another file: {_preview(wrong, 4)}",
-            absent and f"{len(absent)} tensor(s) not in their file: {_preview(absent, 4)}",
-          )
-          if part
-        )
-      )
+    problems = []
+    if wrong:
+      problems.append(f"{len(wrong)} tensor(s) stored elsewhere: {_preview(wrong, 4)}")
+    if absent:
+      problems.append(f"{len(absent)} tensor(s) not in their file: {_preview(absent, 4)}")
+    if problems:
+      raise ValueError(f"{index_file} does not describe the files beside it: {'; '.join(problems)}")
 
   def __contains__(self, name: str) -> bool:
     return name in self.file_of
@@ -498,7 +495,7 @@ def _without_absent_mtp(config, tensors: _TensorFiles, path: Path):
   if not config.num_nextn_predict_layers:
     return config, None
   prefix = _mtp_prefix(config) + "."
-  if any(name.startswith(prefix) for name in tensors):
+  if any(n.startswith(prefix) and not n.endswith(_IGNORED_SUFFIXES) for n in tensors):
     return config, None
   reason = (
     f"the checkpoint {path} has no MTP weights ({prefix}* tensors) although its config says "
@@ -535,7 +532,8 @@ def _build_model(config, tensors: _TensorFiles, dtype, sharding_for, path: Path)
     raise ValueError(
       f"checkpoint {path} has {len(unexpected)} unexpected tensor(s): {_preview(unexpected)}"
     )
-  not_loaded = [p for p in expected if p not in {e.path for e in entries}]
+  loaded = {e.path for e in entries}
+  not_loaded = [p for p in expected if p not in loaded]
   if not_loaded:
     raise ValueError(f"model parameters with no checkpoint tensor: {_preview(not_loaded)}")
 
@@ -627,9 +625,13 @@ def _load_parameter(
     experts = entry.names[index[0]]
     return np.stack([tensors.read(name, index[1:]) for name in experts])
 
+  def convert(stored: jax.Array) -> jax.Array:
+    if entry.layout == "copy" and stored.dtype == target_dtype:
+      return stored  # already the parameter: no device copy
+    return _converter(entry.layout, target_dtype, sharding)(stored)
+
   if sharding is None:
-    full = tuple(slice(None) for _ in stored_shape)
-    return _converter(entry.layout, target_dtype, None)(jax.device_put(read(full)))
+    return convert(jax.device_put(read(tuple(slice(None) for _ in stored_shape))))
   stored_sharding = (
     sharding if entry.layout == "copy" else _transposed_sharding(sharding, len(shape))
   )
@@ -645,7 +647,7 @@ def _load_parameter(
 
   stored = jax.make_array_from_callback(stored_shape, stored_sharding, read_once)
   slices.clear()
-  return _converter(entry.layout, target_dtype, sharding)(stored)
+  return convert(stored)
 
 
 def _transposed_sharding(sharding, ndim: int):
@@ -788,8 +790,6 @@ def _safetensors_chunks(tensors: list[_StoredTensor]) -> Iterator:
   yield struct.pack("<Q", len(encoded)) + encoded
   for tensor in tensors:
     host = np.ascontiguousarray(jax.device_get(tensor.produce()))
-    if host.shape != tensor.shape or host.dtype != tensor.dtype:
-      raise AssertionError(f"{tensor.name}: produced {host.shape} {host.dtype}, planned otherwise")
     yield memoryview(host.reshape(-1).view(np.uint8))
 
 
@@ -831,9 +831,22 @@ def _check_extra_files(extra_files) -> dict[str, bytes | Path]:
 
 
 def _owned_names(target: Path) -> set[str]:
-  """The files of the checkpoint an earlier `save_pretrained` wrote into `target`."""
+  """The files of the checkpoint an earlier `save_pretrained` wrote into `target` and nobody
+  changed since: listed in its manifest, with the recorded size, not newer than the manifest
+  (written last). A file rewritten later (say a new `tokenizer.json`) belongs to the user."""
   manifest = _read_manifest(target)
-  return set() if manifest is None else set(manifest) | {MANIFEST_NAME}
+  if manifest is None:
+    return set()
+  written = (target / MANIFEST_NAME).stat().st_mtime_ns
+  owned = {MANIFEST_NAME}
+  for name, record in manifest.items():
+    try:
+      info = (target / name).stat(follow_symlinks=False)
+    except FileNotFoundError:
+      continue
+    if info.st_size == record["size"] and info.st_mtime_ns <= written:
+      owned.add(name)
+  return owned
 
 
 def _new_sibling(target: Path, tag: str) -> Path:
@@ -974,10 +987,11 @@ def save_pretrained(
   one atomic rename (Linux `renameat2(RENAME_EXCHANGE)`; elsewhere two renames). An interrupt
   leaves either the previous checkpoint or the new one, complete.
 
-  Files of an earlier save (those its manifest lists) are removed; every other file in the
-  directory is kept (hard-linked into the new directory before the swap). A directory holding
-  safetensors files or an index that no earlier save owns and this save does not replace is
-  refused before anything is written: next to the new checkpoint they would be ambiguous.
+  Files of an earlier save (those its manifest lists, unless changed since) are removed; every
+  other file in the directory is kept (hard-linked into the new directory before the swap). A
+  directory holding safetensors files or an index that no earlier save owns and this save does
+  not replace is refused before anything is written: beside the new checkpoint they would make
+  it ambiguous.
   New files and directories get the usual permissions (0666 / 0777 less the umask); a replaced
   directory keeps its mode.
 

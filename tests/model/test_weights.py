@@ -391,6 +391,17 @@ def test_save_over_a_checkpoint_removes_only_what_it_owned(tmp_path, small_model
   _assert_same_params(new, jaxspec.load_pretrained(path, dtype=jnp.float32))
 
 
+def test_save_keeps_a_file_the_user_rewrote_after_the_previous_save(tmp_path, small_models):
+  path = tmp_path / "ckpt"
+  jaxspec.save_pretrained(small_models[0], path, extra_files={"tokenizer.json": b"saved"})
+  (path / "tokenizer.json").write_bytes(b"user's")
+  later = (path / MANIFEST).stat().st_mtime_ns + 10**9
+  os.utime(path / "tokenizer.json", ns=(later, later))
+  jaxspec.save_pretrained(small_models[1], path)
+  assert (path / "tokenizer.json").read_bytes() == b"user's"
+  assert "tokenizer.json" not in json.loads((path / MANIFEST).read_text())["files"]
+
+
 def test_save_refuses_weight_files_it_does_not_own(tmp_path, small_models):
   path = tmp_path / "ckpt"
   shutil.copytree(FIXTURES / "glm4_moe_a", path)
