@@ -622,8 +622,15 @@ def _load_parameter(
   def read(index: tuple[slice, ...]) -> np.ndarray:
     if entry.layout != "stack_transpose":
       return tensors.read(entry.names[0], index)
+    # One expert's slice at a time, straight into the stacked slice.
     experts = entry.names[index[0]]
-    return np.stack([tensors.read(name, index[1:]) for name in experts])
+    first = tensors.read(experts[0], index[1:])
+    stacked = np.empty((len(experts), *first.shape), first.dtype)
+    stacked[0] = first
+    del first
+    for i, name in enumerate(experts[1:], start=1):
+      stacked[i] = tensors.read(name, index[1:])
+    return stacked
 
   def convert(stored: jax.Array) -> jax.Array:
     if entry.layout == "copy" and stored.dtype == target_dtype:

@@ -205,3 +205,57 @@ def test_bad_sharding_rule_is_a_value_error_naming_the_parameter():
     print("ok")
     """
   )
+
+
+@pytest.mark.gpu
+def test_full_width_checkpoint_loads_into_shards_on_two_gpus(tmp_path):
+  """GLM-4.5-Air widths (2 layers, 32 of the 128 experts, the MTP layer; 5 GB in bf16) saved in
+  1 GiB files, then loaded split over two GPUs: every parameter equals the one saved, each GPU
+  holds only its shards, and the host never holds much more than the largest tensor."""
+  import time
+  import tracemalloc
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  import jaxspec
+  from jaxspec.model.config import glm45_air
+
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two GPUs")
+  mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+  def rule(path, shape):
+    split = len(shape) >= 2 and shape[-1] % 2 == 0
+    return NamedSharding(mesh, PartitionSpec(*[None] * (len(shape) - 1), "tp" if split else None))
+
+  config = glm45_air().replace(num_hidden_layers=2, n_routed_experts=32)
+  model = jaxspec.GlmForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  jaxspec.save_pretrained(model, tmp_path / "ckpt", max_shard_bytes=1 << 30)
+  original = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+  tracemalloc.start()
+  start = time.perf_counter()
+  loaded = jaxspec.load_pretrained(tmp_path / "ckpt", dtype=jnp.bfloat16, sharding_for=rule)
+  jax.block_until_ready(nnx.state(loaded))
+  seconds = time.perf_counter() - start
+  host_peak = tracemalloc.get_traced_memory()[1]
+  tracemalloc.stop()
+
+  for path, variable in nnx.to_flat_state(nnx.state(loaded, nnx.Param)):
+    value, sharding = variable.get_value(), rule(path, variable.shape)
+    assert value.sharding.is_equivalent_to(sharding, value.ndim), path
+    assert {s.device for s in value.addressable_shards} == set(mesh.devices.flat), path
+    for shard in value.addressable_shards:
+      assert shard.data.shape == sharding.shard_shape(value.shape), path
+    assert bool(jnp.array_equal(value, jax.device_put(original[path], sharding))), path
+  total = sum(v.nbytes for v in original.values())
+  largest = max(v.nbytes for v in original.values())
+  print(
+    f"loaded {total / 1e9:.2f} GB into 2 GPUs in {seconds:.1f} s ({total / 1e9 / seconds:.2f} "
+    f"GB/s); host peak {host_peak / 1e9:.2f} GB, largest tensor {largest / 1e9:.2f} GB"
+  )
+  assert host_peak < 1.5 * largest

@@ -452,7 +452,7 @@ def _count_save_steps(monkeypatch, fail_at: int | None, error: BaseException):
 
 def _save_scenario(path, model, **kwargs):
   jaxspec.save_pretrained(
-    model, path, max_shard_bytes=20_000, extra_files={"tokenizer.json": b"tok"}, **kwargs
+    model, path, max_shard_bytes=100_000, extra_files={"tokenizer.json": b"tok"}, **kwargs
   )
 
 
@@ -471,12 +471,15 @@ def interrupt_states(tmp_path_factory, small_models):
   return _file_digests(old), _file_digests(new), list(steps)
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), OSError(28, "No space left on device")])
 def test_interrupt_at_any_step_leaves_the_old_or_the_new_checkpoint(
-  tmp_path, small_models, interrupt_states, monkeypatch, error
+  tmp_path, small_models, interrupt_states, monkeypatch
 ):
+  """Ctrl-C (a BaseException, so also any Exception) before each write, the carrying over of the
+  user's files, the swap and the clean-up."""
   old_state, new_state, steps = interrupt_states
   assert steps.count("_write_file") == len(old_state) - 1 and "_swap_in" in steps
+  assert len([f for f in old_state if f.endswith(".safetensors")]) > 2
+  error = KeyboardInterrupt()
   for fail_at, step in enumerate(steps):
     path = tmp_path / f"ckpt{fail_at}"
     _save_scenario(path, small_models[0])
