@@ -1028,28 +1028,13 @@ def save_pretrained(
     )
 
   target.parent.mkdir(parents=True, exist_ok=True)
+  working_in_target = exists and _inode(Path.cwd()) == _inode(target)
   staging = _make_staging_dir(target)
   staging_inode = _inode(staging)
   try:
     if exists:
       os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
-    records = {}
-    for name, tensors in files.items():
-      records[name] = _write_file(staging / name, _safetensors_chunks(tensors))
-    if len(files) > 1:
-      index = {
-        "metadata": {"total_size": sum(t.nbytes for ts in files.values() for t in ts)},
-        "weight_map": {t.name: name for name, ts in files.items() for t in ts},
-      }
-      records[INDEX_NAME] = _write_file(staging / INDEX_NAME, [_json_bytes(index)])
-    records[CONFIG_NAME] = _write_file(
-      staging / CONFIG_NAME, [_json_bytes(model.config.to_hf_dict())]
-    )
-    for name, source in extras.items():
-      records[name] = _write_file(staging / name, _source_chunks(source))
-    manifest = {"format": _MANIFEST_FORMAT, "version": 1, "files": records}
-    _write_file(staging / MANIFEST_NAME, [_json_bytes(manifest)])
-    _fsync_dir(staging)
+    _write_checkpoint(staging, model.config, files, extras)
     if exists:
       _carry_over(target, staging, foreign)
       old = _swap_in(staging, target)
@@ -1061,4 +1046,27 @@ def save_pretrained(
     raise
   _fsync_dir(target.parent)
   if exists:
+    if working_in_target:  # follow the path, not the directory about to be removed
+      os.chdir(target)
     _retire(old, target, owned | set(foreign) | new_names)
+
+
+def _write_checkpoint(
+  directory: Path, config, files: dict[str, list[_StoredTensor]], extras: dict[str, bytes | Path]
+):
+  """Writes weights, index, config and extra files into `directory`, then the manifest."""
+  records = {}
+  for name, tensors in files.items():
+    records[name] = _write_file(directory / name, _safetensors_chunks(tensors))
+  if len(files) > 1:
+    index = {
+      "metadata": {"total_size": sum(t.nbytes for ts in files.values() for t in ts)},
+      "weight_map": {t.name: name for name, ts in files.items() for t in ts},
+    }
+    records[INDEX_NAME] = _write_file(directory / INDEX_NAME, [_json_bytes(index)])
+  records[CONFIG_NAME] = _write_file(directory / CONFIG_NAME, [_json_bytes(config.to_hf_dict())])
+  for name, source in extras.items():
+    records[name] = _write_file(directory / name, _source_chunks(source))
+  manifest = {"format": _MANIFEST_FORMAT, "version": 1, "files": records}
+  _write_file(directory / MANIFEST_NAME, [_json_bytes(manifest)])
+  _fsync_dir(directory)

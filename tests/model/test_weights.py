@@ -431,6 +431,18 @@ def test_save_through_a_symlinked_directory_keeps_the_link(tmp_path, small_model
   )
 
 
+def test_save_into_the_working_directory_leaves_the_process_in_the_new_one(
+  tmp_path, small_models, monkeypatch
+):
+  path = tmp_path / "ckpt"
+  jaxspec.save_pretrained(small_models[0], path)
+  monkeypatch.chdir(path)
+  jaxspec.save_pretrained(small_models[1], ".")
+  assert os.path.samefile(os.getcwd(), path)
+  Path("notes.txt").write_text("written after the save")
+  assert (path / "notes.txt").exists()
+
+
 _SAVE_STEPS = ("_write_file", "_carry_over", "_swap_in", "_retire")
 
 
