@@ -4,7 +4,8 @@ The on-disk names are those of the published GLM checkpoints (and what transform
 classes read): one tensor per expert (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`), linear
 weights `[out, in]`, the MTP layer under `model.layers.{num_hidden_layers}.*`. In memory, linear
 kernels are `[in, out]` and experts are stacked per projection (`[E, H, I]`), so every tensor is
-transposed or stacked exactly once here, on the device.
+transposed or stacked exactly once here (experts stacked on the host, slice by slice; transposes
+and casts on the device).
 
 Loading (`load_pretrained`) refuses a directory it cannot read one way only: a tensor stored in two
 files, a safetensors file the index does not name, an index path outside the directory, a file that
@@ -417,6 +418,25 @@ class _TensorFiles:
 # load_pretrained
 
 
+def _checked_path(path, function: str) -> Path:
+  if not isinstance(path, str | os.PathLike):
+    raise TypeError(f"{function}: path must be a str or os.PathLike, got {type(path).__name__}")
+  return Path(path)
+
+
+def _floating_dtype(dtype, function: str):
+  """`dtype` as a jnp dtype; a `TypeError` naming the argument unless it is a floating dtype."""
+  try:
+    checked = jnp.dtype(dtype) if dtype is not None else None
+  except TypeError:
+    checked = None
+  if checked is None or not jnp.issubdtype(checked, jnp.floating):
+    raise TypeError(
+      f"{function}: dtype must be a floating dtype (jnp.bfloat16, jnp.float32, ...), got {dtype!r}"
+    )
+  return checked
+
+
 def missing_mtp_reason(model) -> str | None:
   """Why a loaded model has no MTP layer although its config declared one, else None.
 
@@ -465,7 +485,10 @@ def load_pretrained(
   `save_pretrained` writes) loads without it, with a `MissingMtpWarning`; `missing_mtp_reason`
   then says why the model has no MTP layer.
   """
-  path = Path(path)
+  path = _checked_path(path, "load_pretrained")
+  dtype = _floating_dtype(dtype, "load_pretrained")
+  if sharding_for is not None and not callable(sharding_for):
+    raise TypeError(f"load_pretrained: sharding_for must be callable or None, got {sharding_for!r}")
   if not path.is_dir():
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
   root = _confinement_root(path)
@@ -1004,7 +1027,14 @@ def save_pretrained(
 
   `dtype` casts every tensor but the float32 ones (`_keeps_float32`); default: keep as is.
   """
-  target = Path(os.path.realpath(path))
+  target = Path(os.path.realpath(_checked_path(path, "save_pretrained")))
+  if dtype is not None:
+    dtype = _floating_dtype(dtype, "save_pretrained")
+  if not isinstance(model, GlmForCausalLM):
+    raise TypeError(
+      f"save_pretrained: model must be a GlmForCausalLM or GlmDsaForCausalLM, got "
+      f"{type(model).__name__}"
+    )
   if target.exists() and not target.is_dir():
     raise NotADirectoryError(f"save_pretrained: {path} exists and is not a directory")
   if max_shard_bytes is not None and (

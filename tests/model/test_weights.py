@@ -146,6 +146,26 @@ def test_misshaped_expert_is_named(checkpoint):
     jaxspec.load_pretrained(checkpoint)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, "foo", None, 3])
+def test_non_floating_dtype_is_a_type_error(dtype):
+  with pytest.raises(TypeError, match=r"load_pretrained: dtype must be a floating dtype"):
+    jaxspec.load_pretrained(FIXTURES / "glm4_moe_a", dtype=dtype)
+
+
+def test_bad_arguments_name_themselves(tmp_path, small_models):
+  with pytest.raises(TypeError, match=r"load_pretrained: path must be a str or os.PathLike"):
+    jaxspec.load_pretrained(3)
+  with pytest.raises(TypeError, match=r"sharding_for must be callable"):
+    jaxspec.load_pretrained(FIXTURES / "glm4_moe_a", sharding_for="tp")
+  with pytest.raises(TypeError, match=r"save_pretrained: dtype must be a floating dtype"):
+    jaxspec.save_pretrained(small_models[0], tmp_path, dtype=jnp.int8)
+  with pytest.raises(TypeError, match=r"save_pretrained: model must be a GlmForCausalLM"):
+    jaxspec.save_pretrained(object(), tmp_path)
+  with pytest.raises(ValueError, match=r"max_shard_bytes must be a positive int"):
+    jaxspec.save_pretrained(small_models[0], tmp_path, max_shard_bytes=0)
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_directory_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="checkpoint directory"):
     jaxspec.load_pretrained(tmp_path / "nope")
