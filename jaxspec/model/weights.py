@@ -56,6 +56,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "jaxspec_manifest.json"
 _MANIFEST_FORMAT = "jaxspec-checkpoint"
+_MANIFEST_VERSION = 1
 
 # Tensors a checkpoint may carry that the model does not use (RoPE caches some exporters write).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -270,6 +271,10 @@ def _read_manifest(path: Path) -> dict[str, dict] | None:
   files = raw.get("files") if isinstance(raw, dict) else None
   if not isinstance(files, dict) or raw.get("format") != _MANIFEST_FORMAT:
     raise ValueError(f"{file}: not a {_MANIFEST_FORMAT} manifest (expected 'format' and 'files')")
+  if raw.get("version") != _MANIFEST_VERSION:
+    raise ValueError(
+      f"{file}: manifest version {raw.get('version')!r}; this jaxspec reads {_MANIFEST_VERSION}"
+    )
   for name, record in files.items():
     _plain_name(name, str(file))
     if (
@@ -1097,6 +1102,6 @@ def _write_checkpoint(
   records[CONFIG_NAME] = _write_file(directory / CONFIG_NAME, [_json_bytes(config.to_hf_dict())])
   for name, source in extras.items():
     records[name] = _write_file(directory / name, _source_chunks(source))
-  manifest = {"format": _MANIFEST_FORMAT, "version": 1, "files": records}
+  manifest = {"format": _MANIFEST_FORMAT, "version": _MANIFEST_VERSION, "files": records}
   _write_file(directory / MANIFEST_NAME, [_json_bytes(manifest)])
   _fsync_dir(directory)

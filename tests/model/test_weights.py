@@ -366,10 +366,18 @@ def test_weights_file_the_manifest_does_not_list_is_refused(tmp_path, small_mode
     jaxspec.load_pretrained(tmp_path)
 
 
-def test_bad_manifest_json_names_the_file(tmp_path, small_models):
+@pytest.mark.parametrize(
+  "text, error",
+  [
+    ("{", "the checkpoint manifest is not valid JSON"),
+    ('{"format": "jaxspec-checkpoint", "version": 2, "files": {}}', "manifest version 2"),
+    ('{"format": "jaxspec-checkpoint", "version": 1, "files": {"../x": {}}}', "not inside"),
+  ],
+)
+def test_bad_manifest_names_the_file(tmp_path, small_models, text, error):
   jaxspec.save_pretrained(small_models[0], tmp_path)
-  (tmp_path / MANIFEST).write_text("{")
-  with pytest.raises(ValueError, match=rf"{MANIFEST}: the checkpoint manifest is not valid JSON"):
+  (tmp_path / MANIFEST).write_text(text)
+  with pytest.raises(ValueError, match=rf"{MANIFEST}: .*{error}"):
     jaxspec.load_pretrained(tmp_path)
 
 
