@@ -275,13 +275,17 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
-  """Parses a checkpoint's `config.json` into its family's config class."""
-  with open(path) as f:
-    try:
+  """Parses a checkpoint's `config.json` into its family's config class; every error (bad JSON,
+  a field the config classes reject) names the file."""
+  try:
+    with open(path, "rb") as f:
       raw = json.load(f)
-    except json.JSONDecodeError as error:
-      raise ValueError(f"{path} is not valid JSON: {error}") from None
-  return config_from_hf_dict(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise ValueError(f"{path}: the model config is not valid JSON ({error})") from error
+  try:
+    return config_from_hf_dict(raw)
+  except (ValueError, TypeError) as error:
+    raise type(error)(f"{path}: {error}") from error
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -67,7 +67,7 @@ class MtpDecoding:
 
   def check_model(self, model: GlmForCausalLM) -> None:
     if model.mtp is None:
-      reason = getattr(model, "mtp_missing_reason", None)
+      reason = getattr(model, "missing_mtp_reason", None)
       raise ValueError(
         "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1)"
         + (f": {reason}" if reason else "")
