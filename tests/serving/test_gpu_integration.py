@@ -76,7 +76,7 @@ def test_dsa_verify_logits_with_the_conversion_kernel_match_xla():
   """GLM-5 family: a verify-style step (q_len 4) whose top-k conversion runs the Mosaic GPU kernel
   gives the logits of the XLA conversion, with conversions shared per group or done per layer."""
   assert is_hopper_gpu()
-  config = tiny_dsa(index_topk=512)  # a multiple of the kernel's 512-wide tile
+  config = tiny_dsa(index_topk=500)  # any top-k: the kernel masks the tail of its 512 tile
   model = GlmForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
   page, q_len, batch_size = 64, 4, 3
   seq_lens = jnp.asarray([700, 300, 0], jnp.int32)  # top-k prunes, top-k > length, padding
