@@ -8,6 +8,7 @@ from jaxspec.model import (
   load_pretrained,
   save_pretrained,
 )
+from jaxspec.model.sharding import make_mesh
 
 __version__ = "0.1.0"
 
@@ -17,5 +18,6 @@ __all__ = [
   "GlmDsaForCausalLM",
   "GlmForCausalLM",
   "load_pretrained",
+  "make_mesh",
   "save_pretrained",
 ]

@@ -12,11 +12,14 @@ the cache with the multi-row causal mask.
 """
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.kernels import paged_decode_attention
 from jaxspec.model.cache import Pages
@@ -43,6 +46,9 @@ class Attention(Protocol):
 @dataclasses.dataclass(frozen=True)
 class GqaPages:
   """One GQA layer's paged keys and values, HND like `paged_decode_attention` reads them."""
+
+  # Logical axes of `k` and `v` (jaxspec.model.sharding): split by KV head under tensor parallelism.
+  axes = ("kv_heads", None, None, None)
 
   k: jax.Array  # [Hkv, num_pages, page_size, D]
   v: jax.Array  # [Hkv, num_pages, page_size, D]
@@ -96,20 +102,29 @@ def dense_causal_attention(q, k, v, valid_lens, sm_scale):
 
 
 class GqaAttention(nnx.Module):
-  """GLM-4.5 grouped-query attention (transformers' `Glm4MoeAttention`)."""
+  """GLM-4.5 grouped-query attention (transformers' `Glm4MoeAttention`).
 
-  def __init__(self, config: GlmConfig, *, dtype, rngs: nnx.Rngs):
+  On a mesh the query heads are split over `tp`, and so are the KV heads and their pages unless
+  `tp` exceeds their number (then every rank keeps all of them, as vLLM does); the paged decode
+  kernel then runs per shard under `jax.shard_map`.
+  """
+
+  def __init__(self, config: GlmConfig, *, dtype, rngs: nnx.Rngs, mesh: Mesh | None = None):
     h, d = config.hidden_size, config.head_dim
     self.num_heads = config.num_attention_heads
     self.num_kv_heads = config.num_key_value_heads
     self.head_dim = d
     self.rotary_dim = config.rotary_dim
     self.rope_theta = config.rope_theta
+    self.mesh = mesh
     bias = config.attention_bias
-    self.q_proj = Linear(h, self.num_heads * d, bias=bias, dtype=dtype, rngs=rngs)
-    self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype, rngs=rngs)
-    self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype, rngs=rngs)
-    self.o_proj = Linear(self.num_heads * d, h, bias=False, dtype=dtype, rngs=rngs)
+    kwargs = dict(bias=bias, dtype=dtype, rngs=rngs)
+    self.q_proj = Linear(h, self.num_heads * d, axes=(None, "heads"), **kwargs)
+    self.k_proj = Linear(h, self.num_kv_heads * d, axes=(None, "kv_heads"), **kwargs)
+    self.v_proj = Linear(h, self.num_kv_heads * d, axes=(None, "kv_heads"), **kwargs)
+    self.o_proj = Linear(
+      self.num_heads * d, h, bias=False, dtype=dtype, rngs=rngs, axes=("heads", None)
+    )
     if config.use_qk_norm:
       self.q_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
       self.k_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype)
@@ -146,14 +161,33 @@ class GqaAttention(nnx.Module):
       if step.mode == "prefill":
         out = dense_causal_attention(q, k, v, step.seq_lens, sm_scale)
       else:
-        out = paged_decode_attention(
-          q,
-          pages.k,
-          pages.v,
-          step.block_tables,
-          step.seq_lens,
-          sm_scale=sm_scale,
-          impl=step.kernels.attention,
-          interpret=step.kernels.interpret,
-        )
+        out = self._paged_attention(q, pages, step, sm_scale)
     return self.o_proj(out.reshape(bsz, num_tokens, -1)), pages, selection
+
+  def _paged_attention(self, q, pages: GqaPages, step: StepMetadata, sm_scale: float):
+    """q: [B, q_len, Hq, D] -> [B, q_len, Hq, D] over the paged cache (per shard on a mesh)."""
+    attend = functools.partial(
+      paged_decode_attention,
+      sm_scale=sm_scale,
+      impl=step.kernels.attention,
+      interpret=step.kernels.interpret,
+    )
+    args = (q, pages.k, pages.v, step.block_tables, step.seq_lens)
+    tp = 1 if self.mesh is None else self.mesh.shape["tp"]
+    if tp == 1:
+      return attend(*args)
+    if tp > self.num_kv_heads:
+      # Every rank keeps all KV heads: XLA partitions the reference by query head.
+      if step.kernels.attention == "pallas":
+        raise ValueError(
+          f"the paged attention kernel runs per shard and needs tp = {tp} <= "
+          f"num_key_value_heads = {self.num_kv_heads}; use attention 'auto' or 'xla'"
+        )
+      return paged_decode_attention(*args, sm_scale=sm_scale, impl="xla")
+    heads, kv_heads = P(None, None, "tp", None), P("tp", None, None, None)
+    return jax.shard_map(
+      attend,
+      mesh=self.mesh,
+      in_specs=(heads, kv_heads, kv_heads, P(), P()),
+      out_specs=heads,
+    )(*args)

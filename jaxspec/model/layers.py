@@ -14,7 +14,12 @@ def _normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
 
 
 class Linear(nnx.Module):
-  """`y = x @ kernel (+ bias)`, accumulated in float32 and returned in the input dtype."""
+  """`y = x @ kernel (+ bias)`, accumulated in float32 and returned in the input dtype.
+
+  `axes` names the logical axes of `[in, out]` for sharding (`jaxspec.model.sharding`); every
+  module lists its parameters' axes in `param_axes`, a tuple of `(name, axes)` pairs (hashable:
+  it is part of the module's static graph).
+  """
 
   def __init__(
     self,
@@ -25,9 +30,11 @@ class Linear(nnx.Module):
     dtype,
     rngs: nnx.Rngs,
     init_std: float = 0.02,
+    axes: tuple[str | None, str | None] = (None, None),
   ):
     self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), dtype, init_std))
     self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+    self.param_axes = (("kernel", axes),) + ((("bias", (axes[1],)),) if bias else ())
 
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.kernel[...]
@@ -42,6 +49,7 @@ class Embedding(nnx.Module):
     self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs, init_std: float = 0.02
   ):
     self.embedding = nnx.Param(_normal(rngs, (num_embeddings, features), dtype, init_std))
+    self.param_axes = (("embedding", ("vocab", None)),)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
     """ids: int [...] -> [..., features]. An id outside [0, num_embeddings) gives a NaN row, so
@@ -109,9 +117,11 @@ class SwiGluMlp(nnx.Module):
   """`down(silu(gate(x)) * up(x))`: GLM's dense MLP and shared experts."""
 
   def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
-    self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, rngs=rngs)
-    self.up_proj = Linear(hidden_size, intermediate_size, bias=False, dtype=dtype, rngs=rngs)
-    self.down_proj = Linear(intermediate_size, hidden_size, bias=False, dtype=dtype, rngs=rngs)
+    column, row = (None, "mlp"), ("mlp", None)  # split the intermediate dimension (tensor parallel)
+    kwargs = dict(bias=False, dtype=dtype, rngs=rngs)
+    self.gate_proj = Linear(hidden_size, intermediate_size, axes=column, **kwargs)
+    self.up_proj = Linear(hidden_size, intermediate_size, axes=column, **kwargs)
+    self.down_proj = Linear(intermediate_size, hidden_size, axes=row, **kwargs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

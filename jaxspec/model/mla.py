@@ -232,7 +232,11 @@ def convert_selection(
 
 
 class MlaAttention(nnx.Module):
-  """GLM-5 MLA attention; full layers own an `Indexer`, shared layers reuse a selection."""
+  """GLM-5 MLA attention; full layers own an `Indexer`, shared layers reuse a selection.
+
+  On a mesh the heads (`q_b_proj`, `kv_b_proj`, `o_proj`) are split over `tp`; the latent
+  projections, the indexer and the latent cache are replicated (as vLLM runs MLA under TP).
+  """
 
   def __init__(self, config: GlmDsaConfig, *, indexer: bool, dtype, rngs: nnx.Rngs):
     h = config.hidden_size
@@ -247,7 +251,12 @@ class MlaAttention(nnx.Module):
     self.q_a_proj = Linear(h, config.q_lora_rank, bias=bias, dtype=dtype, rngs=rngs)
     self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
     self.q_b_proj = Linear(
-      config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False, dtype=dtype, rngs=rngs
+      config.q_lora_rank,
+      self.num_heads * config.qk_head_dim,
+      bias=False,
+      dtype=dtype,
+      rngs=rngs,
+      axes=(None, "heads"),
     )
     self.kv_a_proj_with_mqa = Linear(h, config.latent_dim, bias=bias, dtype=dtype, rngs=rngs)
     self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
@@ -257,8 +266,11 @@ class MlaAttention(nnx.Module):
       bias=False,
       dtype=dtype,
       rngs=rngs,
+      axes=(None, "heads"),
     )
-    self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=bias, dtype=dtype, rngs=rngs)
+    self.o_proj = Linear(
+      self.num_heads * self.v_dim, h, bias=bias, dtype=dtype, rngs=rngs, axes=("heads", None)
+    )
     self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if indexer else None
     self.latent_dim = config.latent_dim
     self.index_head_dim = config.index_head_dim

@@ -22,9 +22,13 @@ Three implementations of the routed experts compute the same function:
   reads exactly the weights the tokens need, the fastest XLA path for a few tokens.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.kernels import routed_experts
 from jaxspec.kernels.dispatch import is_hopper_gpu
@@ -69,13 +73,21 @@ class Router(nnx.Module):
 
 
 class RoutedExperts(nnx.Module):
-  """`n_routed_experts` SwiGLU experts stored stacked: gate/up `[E, H, I]`, down `[E, I, H]`."""
+  """`n_routed_experts` SwiGLU experts stored stacked: gate/up `[E, H, I]`, down `[E, I, H]`.
 
-  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+  On a mesh the experts are split over `ep` and each expert's intermediate dimension over `tp`;
+  every device runs its shard under `jax.shard_map` (routes to other devices' experts contribute
+  nothing there) and one `psum` over both axes adds the partial outputs, in float32.
+  """
+
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh: Mesh | None = None):
     e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
     self.gate = nnx.Param(_normal(rngs, (e, h, i), dtype, 0.02))
     self.up = nnx.Param(_normal(rngs, (e, h, i), dtype, 0.02))
     self.down = nnx.Param(_normal(rngs, (e, i, h), dtype, 0.02))
+    column, row = ("experts", None, "expert_mlp"), ("experts", "expert_mlp", None)
+    self.param_axes = (("gate", column), ("up", column), ("down", row))
+    self.mesh = mesh
 
   def __call__(
     self,
@@ -86,34 +98,68 @@ class RoutedExperts(nnx.Module):
     interpret: bool = False,
   ) -> jax.Array:  # [N, H], x.dtype
     """The routed experts' weighted sum, by `impl` (see `MoE`)."""
-    if impl == "per_route":
-      return self._per_route(x, weights, expert_ids)
-    if impl in ("grouped", "pallas"):
-      op_impl = "xla" if impl == "grouped" else "pallas"
-      w_gate, w_up, w_down = self.gate[...], self.up[...], self.down[...]
-      return routed_experts(
-        x, expert_ids, weights, w_gate, w_up, w_down, impl=op_impl, interpret=interpret
-      )
-    raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
+    if impl not in MOE_IMPLS:
+      raise ValueError(f"moe impl must be one of {MOE_IMPLS}, got {impl!r}")
+    experts = (self.gate[...], self.up[...], self.down[...])
+    run = functools.partial(_routed_experts, impl=impl, interpret=interpret)
+    if self.mesh is None:
+      return run(x, weights, expert_ids, *experts)
+    experts_local = self.gate.shape[0] // self.mesh.shape["ep"]
 
-  def _per_route(self, x, weights, expert_ids):
-    gate = self.gate[...][expert_ids]  # [N, k, H, I]
-    up = self.up[...][expert_ids]
-    down = self.down[...][expert_ids]  # [N, k, I, H]
-    xw = x.astype(gate.dtype)
-    g = jnp.einsum("nh,nkhi->nki", xw, gate, preferred_element_type=jnp.float32)
-    u = jnp.einsum("nh,nkhi->nki", xw, up, preferred_element_type=jnp.float32)
-    act = (jax.nn.silu(g) * u).astype(gate.dtype)
-    y = jnp.einsum("nki,nkih->nkh", act, down, preferred_element_type=jnp.float32)
-    return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
+    def shard(x, weights, expert_ids, gate, up, down):
+      offset = jax.lax.axis_index("ep") * experts_local
+      partial = run(x.astype(jnp.float32), weights, expert_ids, gate, up, down, offset)
+      return jax.lax.psum(partial, ("ep", "tp")).astype(x.dtype)
+
+    column, row = P("ep", None, "tp"), P("ep", "tp", None)
+    return jax.shard_map(
+      shard,
+      mesh=self.mesh,
+      in_specs=(P(), P(), P(), column, column, row),
+      out_specs=P(),
+    )(x, weights, expert_ids, *experts)
+
+
+def _routed_experts(x, weights, expert_ids, gate, up, down, expert_offset=None, *, impl, interpret):
+  """One implementation over the experts `gate/up/down` hold (all, or one shard from
+  `expert_offset` on); routes to experts they do not hold contribute nothing."""
+  if impl == "per_route":
+    return _per_route(x, weights, expert_ids, gate, up, down, expert_offset)
+  op_impl = "xla" if impl == "grouped" else "pallas"
+  return routed_experts(
+    x,
+    expert_ids,
+    weights,
+    gate,
+    up,
+    down,
+    impl=op_impl,
+    interpret=interpret,
+    expert_offset=expert_offset,
+  )
+
+
+def _per_route(x, weights, expert_ids, gate, up, down, expert_offset=None):
+  """Gathers each route's expert matrices and runs k small matmuls per token."""
+  if expert_offset is not None:
+    local = expert_ids - expert_offset
+    held = (local >= 0) & (local < gate.shape[0])
+    expert_ids, weights = jnp.where(held, local, 0), jnp.where(held, weights, 0.0)
+  gate, up, down = gate[expert_ids], up[expert_ids], down[expert_ids]  # [N, k, H, I], [N, k, I, H]
+  xw = x.astype(gate.dtype)
+  g = jnp.einsum("nh,nkhi->nki", xw, gate, preferred_element_type=jnp.float32)
+  u = jnp.einsum("nh,nkhi->nki", xw, up, preferred_element_type=jnp.float32)
+  act = (jax.nn.silu(g) * u).astype(gate.dtype)
+  y = jnp.einsum("nki,nkih->nkh", act, down, preferred_element_type=jnp.float32)
+  return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
 
 
 class MoE(nnx.Module):
   """Routed experts plus always-on shared experts (`n_shared_experts` fused into one MLP)."""
 
-  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh: Mesh | None = None):
     self.gate = Router(config, dtype=dtype, rngs=rngs)
-    self.experts = RoutedExperts(config, dtype=dtype, rngs=rngs)
+    self.experts = RoutedExperts(config, dtype=dtype, rngs=rngs, mesh=mesh)
     self.shared_experts = SwiGluMlp(
       config.hidden_size,
       config.moe_intermediate_size * config.n_shared_experts,

@@ -20,8 +20,10 @@ and the cache with their own layers' pages replaced.
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxspec.contracts import require
+from jaxspec.model import sharding
 from jaxspec.model.attention import Attention, GqaAttention
 from jaxspec.model.cache import ModelCache
 from jaxspec.model.config import ModelConfig
@@ -31,10 +33,12 @@ from jaxspec.model.mla import MlaAttention
 from jaxspec.model.moe import MoE, MoeImpl, resolve_moe_impl
 
 
-def make_attention(config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs) -> Attention:
+def make_attention(
+  config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, mesh: Mesh | None = None
+) -> Attention:
   """The attention module of layer `layer` (`num_hidden_layers` = the MTP block)."""
   if config.attention_kind == "gqa":
-    return GqaAttention(config, dtype=dtype, rngs=rngs)
+    return GqaAttention(config, dtype=dtype, rngs=rngs, mesh=mesh)
   if config.attention_kind == "mla":
     return MlaAttention(config, indexer=config.has_indexer(layer), dtype=dtype, rngs=rngs)
   raise ValueError(f"unknown attention kind {config.attention_kind!r}")
@@ -47,13 +51,15 @@ class DecoderLayer(nnx.Module):
   (row pruning: attention needs every row, the MLP only the rows that produce a token).
   """
 
-  def __init__(self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+  def __init__(
+    self, config: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs, mesh: Mesh | None = None
+  ):
     eps = config.rms_norm_eps
     self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
-    self.self_attn = make_attention(config, layer, dtype=dtype, rngs=rngs)
+    self.self_attn = make_attention(config, layer, dtype=dtype, rngs=rngs, mesh=mesh)
     self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, dtype=dtype)
     if config.is_moe_layer(layer):
-      self.mlp = MoE(config, dtype=dtype, rngs=rngs)
+      self.mlp = MoE(config, dtype=dtype, rngs=rngs, mesh=mesh)
     else:
       self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
 
@@ -76,10 +82,13 @@ class DecoderLayer(nnx.Module):
 class GlmModel(nnx.Module):
   """Embeddings, decoder layers and final norm (transformers' `Glm4MoeModel` / `GlmMoeDsaModel`)."""
 
-  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs, mesh: Mesh | None = None):
     self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
     self.layers = nnx.List(
-      [DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_hidden_layers)]
+      [
+        DecoderLayer(config, i, dtype=dtype, rngs=rngs, mesh=mesh)
+        for i in range(config.num_hidden_layers)
+      ]
     )
     self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
@@ -101,18 +110,21 @@ class MtpLayer(nnx.Module):
     rngs: nnx.Rngs,
     own_embedding: bool = False,
     own_head: bool = False,
+    mesh: Mesh | None = None,
   ):
     h = config.hidden_size
     self.embed_tokens = (
       Embedding(config.vocab_size, h, dtype=dtype, rngs=rngs) if own_embedding else None
     )
     self.shared_head_head = (
-      Linear(h, config.vocab_size, bias=False, dtype=dtype, rngs=rngs) if own_head else None
+      Linear(h, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, axes=(None, "vocab"))
+      if own_head
+      else None
     )
     self.enorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
     self.hnorm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
     self.eh_proj = Linear(2 * h, h, bias=False, dtype=dtype, rngs=rngs)
-    self.layer = DecoderLayer(config, config.num_hidden_layers, dtype=dtype, rngs=rngs)
+    self.layer = DecoderLayer(config, config.num_hidden_layers, dtype=dtype, rngs=rngs, mesh=mesh)
     self.shared_head_norm = RMSNorm(h, eps=config.rms_norm_eps, dtype=dtype)
 
 
@@ -121,6 +133,11 @@ class GlmForCausalLM(nnx.Module):
 
   Serving code builds the cache with `init_cache`, runs `forward` / `mtp_forward` with a
   `StepMetadata` per step, and `logits` / `mtp_logits` on the rows it needs.
+
+  With `mesh` (`jaxspec.make_mesh`), the parameters are placed in their shards
+  (`jaxspec.model.sharding`) once built, the cache is created sharded, and the Pallas kernels run
+  per shard. A model larger than one device's memory must be created directly in its shards:
+  `jaxspec.model.sharding.init_sharded` (random weights) or `load_pretrained(..., mesh=mesh)`.
   """
 
   def __init__(
@@ -131,18 +148,28 @@ class GlmForCausalLM(nnx.Module):
     rngs: nnx.Rngs | None = None,
     mtp_own_embedding: bool = False,
     mtp_own_head: bool = False,
+    mesh: Mesh | None = None,
   ):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config must be a jaxspec ModelConfig, got {type(config).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+      raise TypeError(f"mesh must be a jax.sharding.Mesh (jaxspec.make_mesh), got {mesh!r}")
+    rules = None if mesh is None else sharding.sharding_rules(config, mesh)  # checks the mesh
     rngs = rngs if rngs is not None else nnx.Rngs(0)
     self.config = config
     self.dtype = dtype
-    self.model = GlmModel(config, dtype=dtype, rngs=rngs)
+    self.mesh = mesh
+    self.model = GlmModel(config, dtype=dtype, rngs=rngs, mesh=mesh)
     if config.tie_word_embeddings:
       self.lm_head = None
     else:
       self.lm_head = Linear(
-        config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs
+        config.hidden_size,
+        config.vocab_size,
+        bias=False,
+        dtype=dtype,
+        rngs=rngs,
+        axes=(None, "vocab"),
       )
     self.mtp = (
       MtpLayer(
@@ -151,10 +178,14 @@ class GlmForCausalLM(nnx.Module):
         rngs=rngs,
         own_embedding=mtp_own_embedding,
         own_head=mtp_own_head,
+        mesh=mesh,
       )
       if config.num_nextn_predict_layers
       else None
     )
+    if mesh is not None:
+      specs = sharding.param_specs(self, rules)
+      nnx.update(self, sharding.shard_state(nnx.state(self, nnx.Param), specs, mesh))
 
   # ------------------------------------------------------------------------------------------------
   # The cache.
@@ -172,9 +203,17 @@ class GlmForCausalLM(nnx.Module):
     if draft and self.mtp is None:
       raise ValueError("draft=True needs a model with an MTP layer (num_nextn_predict_layers >= 1)")
     dtype = self.dtype if dtype is None else dtype
-    layers = tuple(layer.init_pages(num_pages, page_size, dtype) for layer in self.model.layers)
-    draft_pages = self.mtp.layer.init_pages(num_pages, page_size, dtype) if draft else None
-    return ModelCache(layers, draft_pages)
+
+    def create():
+      layers = tuple(layer.init_pages(num_pages, page_size, dtype) for layer in self.model.layers)
+      draft_pages = self.mtp.layer.init_pages(num_pages, page_size, dtype) if draft else None
+      return ModelCache(layers, draft_pages)
+
+    if self.mesh is None:
+      return create()
+    # Created in its shards (never whole on one device).
+    shardings = sharding.cache_shardings(jax.eval_shape(create), self.config, self.mesh)
+    return jax.jit(create, out_shardings=shardings)()
 
   # ------------------------------------------------------------------------------------------------
   # The target.

@@ -43,8 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxspec.model import sharding as sharding_rules
 from jaxspec.model.config import ModelConfig, read_config
 from jaxspec.model.transformer import GlmForCausalLM
 
@@ -433,6 +435,7 @@ def load_pretrained(
   dtype=jnp.bfloat16,
   *,
   config: ModelConfig | None = None,
+  mesh: Mesh | None = None,
   sharding_for: ShardingRule | None = None,
   verify_checksums: bool = True,
 ) -> GlmForCausalLM:
@@ -447,7 +450,10 @@ def load_pretrained(
     path: the checkpoint directory.
     dtype: the parameter dtype.
     config: overrides the directory's `config.json`.
-    sharding_for: `(param_path, shape) -> jax.sharding.Sharding | None`, where `param_path` is the
+    mesh: a mesh of axes ("ep", "tp") (`jaxspec.make_mesh`): the model is built on it and every
+      parameter is read straight into its shards by the rules of `jaxspec.model.sharding`.
+    sharding_for: instead of `mesh`, for other layouts:
+      `(param_path, shape) -> jax.sharding.Sharding | None`, where `param_path` is the
       parameter's NNX path (e.g. `("model", "layers", 0, "self_attn", "q_proj", "kernel")`) and
       `shape` its in-memory shape. Each device then receives only its slice of the parameter, read
       from the files by slice. It must return a `NamedSharding` or a fully replicated sharding;
@@ -470,6 +476,11 @@ def load_pretrained(
   dtype = _floating_dtype(dtype, "load_pretrained")
   if sharding_for is not None and not callable(sharding_for):
     raise TypeError(f"load_pretrained: sharding_for must be callable or None, got {sharding_for!r}")
+  if mesh is not None and (not isinstance(mesh, Mesh) or sharding_for is not None):
+    raise TypeError(
+      f"load_pretrained: mesh must be a jax.sharding.Mesh, and not given with sharding_for; got "
+      f"mesh={mesh!r}"
+    )
   if not path.is_dir():
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
   root = _confinement_root(path)
@@ -488,7 +499,7 @@ def load_pretrained(
   with ExitStack() as stack:
     tensors = _TensorFiles(*_weight_files(path, root), stack)
     config, reason = _without_absent_mtp(config, tensors, path)
-    model = _build_model(config, tensors, dtype, sharding_for, path)
+    model = _build_model(config, tensors, dtype, mesh, sharding_for, path)
   model.missing_mtp_reason = reason
   return model
 
@@ -512,17 +523,25 @@ def _without_absent_mtp(config, tensors: _TensorFiles, path: Path):
   return config.replace(num_nextn_predict_layers=0), reason
 
 
-def _build_model(config, tensors: _TensorFiles, dtype, sharding_for, path: Path):
+def _build_model(config, tensors: _TensorFiles, dtype, mesh, sharding_for, path: Path):
   mtp_prefix = _mtp_prefix(config)
   own_embedding = f"{mtp_prefix}.embed_tokens.weight" in tensors
   own_head = f"{mtp_prefix}.shared_head.head.weight" in tensors
 
   def build():
     return GlmForCausalLM(
-      config, dtype=dtype, rngs=nnx.Rngs(0), mtp_own_embedding=own_embedding, mtp_own_head=own_head
+      config,
+      dtype=dtype,
+      rngs=nnx.Rngs(0),
+      mtp_own_embedding=own_embedding,
+      mtp_own_head=own_head,
+      mesh=mesh,
     )
 
-  graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+  abstract_model = nnx.eval_shape(build)
+  if mesh is not None:
+    sharding_for = sharding_rules.sharding_for(abstract_model, mesh)
+  graphdef, abstract_state = nnx.split(abstract_model)
   expected = dict(nnx.to_flat_state(abstract_state))
   entries = list(_entries(config, own_embedding, own_head))
 

@@ -74,6 +74,7 @@ def routed_experts(
   impl: str = "auto",
   interpret: bool = False,
   config: mosaic_gpu.TuningConfig | None = None,
+  expert_offset: jax.Array | int | None = None,
 ) -> jax.Array:  # [T, H], x.dtype
   """The routed experts of a mixture-of-experts layer: a weighted sum of SwiGLU MLPs per token.
 
@@ -88,6 +89,10 @@ def routed_experts(
   (``jaxspec.contracts``), and otherwise a route with an id outside ``[0, E)`` contributes
   nothing, on every path.
 
+  Expert parallelism: with ``expert_offset`` the weights hold only the experts
+  ``[expert_offset, expert_offset + E)`` of a larger set (one shard of them); routes to other
+  experts belong to other shards and contribute nothing here, by design (no contract check).
+
   Args:
     x: [T, H] tokens (bf16, fp16 or fp32).
     expert_ids: int32 [T, k], the experts each token is routed to.
@@ -99,16 +104,22 @@ def routed_experts(
       serve the inputs (bf16/fp16 weights, H and I multiples of 64), xla otherwise.
     interpret: run the Pallas kernels in GPU interpret mode (any backend).
     config: kernel tuning knobs; ``None`` picks them from the shapes (``default_config``).
+    expert_offset: the global id of ``w_gate[0]`` when the weights are one shard of the experts
+      (an int or an int32 scalar array, e.g. from ``jax.lax.axis_index``); None: all experts.
 
   Returns:
     [T, H] in ``x``'s dtype.
   """
   _check_inputs(x, expert_ids, weights, w_gate, w_up, w_down)
   num_experts = w_gate.shape[0]
-  require(
-    (expert_ids >= 0) & (expert_ids < num_experts),
-    f"expert_ids must lie in [0, E={num_experts})",
-  )
+  if expert_offset is None:
+    require(
+      (expert_ids >= 0) & (expert_ids < num_experts),
+      f"expert_ids must lie in [0, E={num_experts})",
+    )
+  else:
+    # Ids of other shards' experts fall outside [0, E) and are dropped by every path.
+    expert_ids = expert_ids - jnp.asarray(expert_offset, jnp.int32)
   return OP(
     x, expert_ids, weights, w_gate, w_up, w_down, impl=impl, interpret=interpret, config=config
   )
