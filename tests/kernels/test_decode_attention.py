@@ -403,6 +403,20 @@ def test_entries_past_a_requests_pages_may_hold_anything():
   check(checked(*garbage.arrays), garbage)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit-kv", "fp8-kv"])
+def test_nan_a_row_sees_reaches_its_output_on_every_path(fp8):
+  """NaN inside a request's length is data, not padding: both paths return NaN for the rows
+  that see it (the kernel must not take a NaN softmax sum for a row that saw nothing)."""
+  inputs = _contract_inputs(fp8=fp8)
+  k_pages = inputs.k_pages.at[0, 0, 5].set(jnp.nan)  # request 0's page 1, position 21
+  inputs = inputs._replace(k_pages=k_pages)
+  for impl in ("xla", "pallas"):
+    out = paged_decode_attention(*inputs.arrays, impl=impl, interpret=True, **inputs.scales)
+    out = np.asarray(out, np.float32)
+    assert np.all(np.isnan(out[0])), impl  # request 0 (40 positions) sees position 21
+    assert np.all(np.isfinite(out[1])), impl
+
+
 # Requests of one batch, each breaching the contract its own way; one request stays inside.
 OUT_OF_CONTRACT = {
   "inside the contract": (40, [4, 0, 2]),

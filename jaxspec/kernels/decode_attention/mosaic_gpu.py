@@ -46,12 +46,29 @@ waiter, as GPU interpret mode checks. Its race detector does not track the
 shared-memory reads of ``wgmma`` yet, so a missing ``consumed`` wait would only
 show on the GPU.
 
+Pages a request may not attend (``reference.py`` states the rule): a page past
+the request's length (or the table's capacity) or with an id outside
+``[0, num_pages)`` is never copied; a plain barrier arrival stands in for its
+TMA copy, its slot rows keep stale data, and the step masks them. Whether a
+step needs a mask is decided per block (``lax.cond``): inside the contract
+only the last blocks of a request do, as before, and the others run the
+unmasked step.
+
+fp8 pages (``float8_e4m3fn``): TMA copies the fp8 blocks (half the bytes of
+bf16) into the ring; each step converts its K and V block into a 16-bit
+staging block in q's dtype (exact: e4m3 values are bf16/fp16 values), on which
+the ``wgmma``s run, and the slot is refilled right after. The real value is
+``stored * scale`` per KV head, so ``k_scale`` joins the score scale and
+``v_scale`` the output's ``1 / l`` (exact up to float32 rounding: per-head
+scalars factor out of both matmuls).
+
 Numerics: K positions a row must not see are masked with ``where`` to -inf,
 and V rows past the request's length are zeroed in shared memory before
 ``P V`` (their probability is 0, but 0 * NaN = NaN on the tensor cores), so
 garbage or NaN in unowned page slots cannot reach the output. Rows that see
 nothing keep a running max of -inf; the exponent is then shifted by 0 instead
-of -inf so no NaN is formed, and they finish with output 0 and lse -inf.
+of -inf so no NaN is formed, and they finish with output 0 and lse -inf. NaN
+in a position a row does see reaches its output, as on the XLA path.
 """
 
 import dataclasses
@@ -531,8 +548,10 @@ def paged_decode_attention_mosaic_gpu(
     pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
     acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
 
-    seen = l_i > 0.0
-    inv_l = 1.0 / jnp.where(seen, l_i, 1.0)  # rows that saw nothing have acc = 0
+    # Rows that saw nothing have l = 0 and acc = 0. NaN in a row's visible K/V makes l NaN:
+    # it must reach the output as on the XLA path, not pass for "saw nothing".
+    seen = l_i != 0.0
+    inv_l = 1.0 / jnp.where(seen, l_i, 1.0)
     if fp8:
       inv_l = inv_l * out_scale  # real V = stored V * v_scale
     acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
