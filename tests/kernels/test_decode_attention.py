@@ -572,13 +572,19 @@ def _coverage_cases():
   return cases
 
 
+def _coverage_params():
+  """The coverage cases with 16-bit pages, and with fp8 pages at G 1, 8 and 12."""
+  params = []
+  for q_len, group, head_dim, page_size, dtype in _coverage_cases():
+    name = f"q{q_len}-G{group}-D{head_dim}-page{page_size}-{jnp.dtype(dtype).name}"
+    params.append(pytest.param(q_len, group, head_dim, page_size, dtype, False, id=name))
+    if group in (1, 8, 12):
+      params.append(pytest.param(q_len, group, head_dim, page_size, dtype, True, id=name + "-fp8"))
+  return params
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True], ids=["16bit-kv", "fp8-kv"])
-@pytest.mark.parametrize(
-  "q_len, group, head_dim, page_size, dtype",
-  _coverage_cases(),
-  ids=[f"q{c[0]}-G{c[1]}-D{c[2]}-page{c[3]}-{jnp.dtype(c[4]).name}" for c in _coverage_cases()],
-)
+@pytest.mark.parametrize("q_len, group, head_dim, page_size, dtype, fp8", _coverage_params())
 def test_kernel_gpu_coverage(q_len, group, head_dim, page_size, dtype, fp8):
   rng = np.random.default_rng(q_len * 1000 + group * 10 + head_dim + page_size)
   seq_lens = [0, 1, q_len, page_size + 1, int(rng.integers(200, 700))]
