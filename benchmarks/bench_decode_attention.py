@@ -36,8 +36,8 @@ Every row also reports the largest difference between our output and the XLA ref
 on the first input, over the first requests of the batch (up to 8, so that it fits).
 Effective bandwidth is unique KV bytes (K and V of every request's ``S`` positions, in the
 pages' dtype) / time. ``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the
-first section; ``--tune`` adds a sweep of tuning configs on three shapes (and of the fp8
-ring depth).
+first section; ``--tune`` adds a sweep of tuning configs on three shapes, of the fp8
+ring depth, and ``TuningConfig.merge_kernel`` against the XLA merge where the KV is split.
 
 ``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
 ``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
@@ -708,7 +708,8 @@ def main():
 
 
 def tune(rng, tuning, save, smoke=False):
-  """Our kernel under several tuning configs on three shapes, and the fp8 ring depth."""
+  """Our kernel under several tuning configs: the merge kernel where the KV is split, the
+  chunking and ring on three shapes, and the fp8 ring depth."""
   configs = [
     TuningConfig(num_stages=s, block_kv=bk, num_chunks=c, balance_waves=w)
     for s, bk, c, w in [
@@ -723,14 +724,21 @@ def tune(rng, tuning, save, smoke=False):
   fp8_configs = [
     TuningConfig(num_stages=s, balance_waves=4) for s in (2, 3, 4)
   ]  # 3: the fp8 default at D 128
+  # The merge and row unpacking in one kernel (off by default) on shapes that split the KV.
+  default = default_config(HEAD_DIM, PAGE_SIZE)
+  merge = [default, dataclasses.replace(default, merge_kernel=True)]
   sweeps = [
+    ("B1 L8k", [8192], 1, False, merge),
+    ("B1 L8k", [8192], 7, False, merge),
+    ("B8 L32k", [32768] * 8, 1, False, merge),
+    ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), 7, False, merge),
     ("B64 L32k", [32768] * 64, 7, False, configs),
     ("B8 L32k", [32768] * 8, 1, False, configs),
     ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), 7, False, configs),
     ("B64 L32k", [32768] * 64, 7, True, fp8_configs),
   ]
   if smoke:
-    sweeps = [("B2 L200", [200, 77], 3, fp8, configs[:2]) for fp8 in (False, True)]
+    sweeps = [("B2 L200", [200, 77], 3, False, merge), ("B2 L200", [200, 77], 3, True, configs[:1])]
   timing = {"reps": 1, "warmup": 0} if smoke else {}
   for name, seq_lens, q_len, fp8, sweep in sweeps:
     batch = make_batch(rng, seq_lens, pad_to=8 if smoke else 128)

@@ -129,9 +129,32 @@ FP8_CASES = [
 ]
 
 
+# The split-KV merge and row unpacking in one Mosaic GPU kernel (TuningConfig.merge_kernel):
+# spare grid items with unwritten tiles, tokens whose rows straddle two tiles (G 12, q_len 6),
+# fp8 pages.
+MERGE_KERNEL_CASES = [
+  KernelCase(
+    (200, 5, 0, 70),
+    6,
+    1,
+    12,
+    64,
+    16,
+    BF16,
+    TuningConfig(num_stages=2, balance_waves=1, num_sms=1, merge_kernel=True),
+  ),
+  KernelCase(
+    (129, 2, 7), 3, 2, 3, 128, 16, F16, TuningConfig(num_chunks=3, merge_kernel=True), fp8=True
+  ),
+]
+
+
 @pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
 @pytest.mark.parametrize(
-  "case", **case_params(KERNEL_CASES + TWO_WARPGROUP_CASES + BALANCED_CASES + FP8_CASES)
+  "case",
+  **case_params(
+    KERNEL_CASES + TWO_WARPGROUP_CASES + BALANCED_CASES + FP8_CASES + MERGE_KERNEL_CASES
+  ),
 )
 def test_kernel_matches_float64(case, interpret):
   inputs = case.inputs()
@@ -140,6 +163,44 @@ def test_kernel_matches_float64(case, interpret):
   )
   check(out, inputs)
   assert not (interpret and races_found())
+
+
+@pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
+@pytest.mark.parametrize(
+  "q_len, group, head_dim, dtype, num_chunks",
+  [(6, 12, 64, BF16, 3), (1, 1, 128, F16, 2), (5, 3, 128, BF16, 4), (8, 16, 64, BF16, 2)],
+)
+def test_merge_kernel_matches_the_xla_merge(q_len, group, head_dim, dtype, num_chunks, interpret):
+  """Random chunk partials; some chunks saw nothing (lse -inf, NaN tiles), one row saw nothing
+  in any chunk. The kernel's merged and unpacked rows equal XLA's merge and unpacking."""
+  batch, num_kv_heads, num_rows = 2, 2, q_len * group
+  padded_rows = -(-num_rows // 64) * 64
+  rng = np.random.default_rng(num_rows + num_chunks)
+  shape = (batch, num_chunks, num_kv_heads, padded_rows)
+  lse = rng.uniform(-6.0, 6.0, shape).astype(np.float32)
+  empty = rng.random(shape) < 0.3
+  empty[1, :, 0, 5] = True  # request 1, KV head 0, row 5: no chunk saw anything
+  lse[empty] = -np.inf
+  tiles = rng.standard_normal((*shape, head_dim)).astype(np.float32)
+  tiles[empty] = np.nan  # unwritten tiles of chunks that saw nothing
+  tiles, lse = jnp.asarray(tiles, dtype), jnp.asarray(lse)
+  merged = mosaic_gpu.merge_chunks(tiles, lse)[:, :, :num_rows]  # [B, Hkv, rows, D]
+  merged = merged.reshape(batch, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+  expected = merged.reshape(batch, q_len, num_kv_heads * group, head_dim)
+  out = mosaic_gpu.merge_chunks_mosaic_gpu(
+    tiles.reshape(batch * num_chunks, num_kv_heads, padded_rows, head_dim),
+    lse.reshape(batch * num_chunks, num_kv_heads, padded_rows),
+    num_chunks=num_chunks,
+    q_len=q_len,
+    group=group,
+    interpret=interpret,
+  )
+  assert not (interpret and races_found())
+  chex.assert_shape(out, expected.shape)
+  chex.assert_type(out, dtype)
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  tol = 2e-2 if dtype == BF16 else 4e-3
+  chex.assert_trees_all_close(out.astype(F32), expected.astype(F32), atol=tol, rtol=tol)
 
 
 def test_sm_scale_is_used():
@@ -189,6 +250,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("two_warpgroup_tiles", 1),
     ("balance_waves", 0),
     ("num_sms", 0),
+    ("merge_kernel", 1),
   ],
 )
 def test_tuning_config_is_validated(field, value):
@@ -519,6 +581,24 @@ LOWERING_CASES = [
   ),
   ("fp8 bf16 D128 G8 q3", (4, 3, 16, 128), (2, 64, 16, 128), 16, BF16, FP8, None),
   ("fp8 f16 D64 q1", (3, 1, 8, 64), (1, 64, 32, 64), 8, F16, FP8, TuningConfig(num_chunks=3)),
+  (
+    "bf16 G12 q6 merge kernel",
+    (2, 6, 24, 64),
+    (2, 32, 16, 64),
+    8,
+    BF16,
+    BF16,
+    TuningConfig(num_chunks=3, merge_kernel=True),
+  ),
+  (
+    "fp8 f16 D128 q3 merge kernel",
+    (3, 3, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    F16,
+    FP8,
+    TuningConfig(num_chunks=2, merge_kernel=True),
+  ),
   (
     "fp8 bf16 G12 q7 block 128",
     (2, 7, 24, 64),

@@ -118,6 +118,9 @@ class TuningConfig:
       length, capped at ``BALANCED_MAX_CHUNKS``): ragged batches run in about
       ``w`` balanced waves.
     num_sms: SMs the grid is sized for; ``None`` asks the device (132 on an H100/H200).
+    merge_kernel: when a call splits the KV into chunks, merge them and write the unpacked
+      ``[B, q_len, Hq, D]`` rows in one small Mosaic GPU kernel (``merge_chunks_mosaic_gpu``)
+      instead of XLA's merge fusions and row transpose. Off by default until measured.
   """
 
   block_kv: int = 64
@@ -126,6 +129,7 @@ class TuningConfig:
   two_warpgroup_tiles: bool = False
   balance_waves: int | None = None
   num_sms: int | None = None
+  merge_kernel: bool = False
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -141,6 +145,8 @@ class TuningConfig:
       not isinstance(self.balance_waves, int) or self.balance_waves < 1
     ):
       raise ValueError(f"balance_waves must be a positive int or None, got {self.balance_waves!r}")
+    if not isinstance(self.merge_kernel, bool):
+      raise ValueError(f"merge_kernel must be a bool, got {self.merge_kernel!r}")
 
 
 def default_config(head_dim: int, page_size: int, kv_dtype=jnp.bfloat16) -> TuningConfig:
@@ -602,6 +608,10 @@ def paged_decode_attention_mosaic_gpu(
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
   )(block_tables, seq_lens, chunk_lengths, *scales, q_packed, k_pages, v_pages)
 
+  if num_chunks > 1 and config.merge_kernel:
+    return merge_chunks_mosaic_gpu(
+      partial_out, partial_lse, num_chunks=num_chunks, q_len=q_len, group=group, interpret=interpret
+    )
   out = merge_chunks(
     partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
     partial_lse.reshape(batch, num_chunks, num_kv_heads, padded_rows),
@@ -638,3 +648,118 @@ def merge_chunks(
   )
   merged = merged / jnp.where(total > 0.0, total, 1.0)[..., None]
   return merged.astype(partial_out.dtype)
+
+
+def merge_chunks_mosaic_gpu(
+  partial_out: jax.Array,  # [B * C, Hkv, R, D], each chunk normalised on its own
+  partial_lse: jax.Array,  # f32 [B * C, Hkv, R], base-2 log-sum-exp, -inf = saw nothing
+  *,
+  num_chunks: int,
+  q_len: int,
+  group: int,
+  interpret: bool = False,
+) -> jax.Array:  # [B, q_len, Hkv * G, D], partial_out.dtype
+  """``merge_chunks`` and the row unpacking in one Mosaic GPU kernel.
+
+  One program per (KV head, row tile, request) streams the request's ``C`` chunk tiles through
+  two shared-memory slots (the next chunk's TMA copy runs while this one is merged) and merges
+  them online in a fixed order: with ``M`` the running max of the chunks' lse,
+  ``acc = acc * 2^(M_old - M) + 2^(lse_c - M) o_c`` and ``l`` likewise, so the result is
+  ``merge_chunks``' up to float32 rounding. Chunks that saw nothing (lse -inf) have weight 0
+  and are selected away (their tiles are unwritten); NaN in an lse reaches the output as in
+  ``merge_chunks``. The merged tile goes straight to the output: packed row ``r = j * G + g``
+  is row ``(j, h * G + g)`` of its request, so the tile's rows of token ``j`` are one TMA copy
+  of at most ``G`` contiguous rows.
+  """
+  num_items, num_kv_heads, padded_rows, head_dim = partial_out.shape
+  batch = num_items // num_chunks
+  num_rows = q_len * group
+  row_tiles = padded_rows // ROWS_PER_TILE
+  dtype = partial_out.dtype
+
+  def kernel(
+    tiles_ref,  # GMEM [B * C, Hkv, R, D]
+    lse_ref,  # GMEM f32 [B * C, Hkv, R]
+    out_ref,  # GMEM [B, q_len, Hq, D]
+    tile_smem,  # [2, 64, D]
+    lse_smem,  # f32 [2, 64]
+    merged_smem,  # [64, D], unswizzled so that any run of rows can be copied out
+    barriers,  # [2], two arrivals: the tile and its lse
+  ):
+    kv_head = lax.axis_index("kv_head")
+    row_tile = lax.axis_index("row_tile")
+    request = lax.axis_index("request")
+    rows = pl.ds(row_tile * ROWS_PER_TILE, ROWS_PER_TILE)
+
+    def fetch(chunk, slot):
+      item = request * num_chunks + chunk
+      plgpu.copy_gmem_to_smem(
+        tiles_ref.at[item, kv_head, rows], tile_smem.at[slot], barriers.at[slot]
+      )
+      plgpu.copy_gmem_to_smem(lse_ref.at[item, kv_head, rows], lse_smem.at[slot], barriers.at[slot])
+
+    fetch(0, 0)
+
+    def step(chunk, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(chunk, 2)
+
+      @pl.when(chunk + 1 < num_chunks)
+      def _prefetch():
+        plgpu.commit_smem()  # orders the last reads of the other slot before its refill
+        fetch(chunk + 1, 1 - slot)
+
+      plgpu.barrier_wait(barriers.at[slot])
+      lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+      tile = plgpu.load(tile_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      m_new = jnp.maximum(m_i, lse)
+      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: no inf - inf
+      alpha = jnp.exp2(m_i - m_shift)
+      weight = jnp.exp2(lse - m_shift)  # 0 for a chunk that saw nothing
+
+      def rows_of(vector):
+        return lax.broadcast_in_dim(vector, tile.shape, [0])
+
+      tile = jnp.where(rows_of(weight > 0.0), tile, 0.0)  # unwritten tiles: 0 * NaN = NaN
+      acc = acc * rows_of(alpha) + rows_of(weight) * tile
+      return acc, m_new, l_i * alpha + weight
+
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m_i = plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), -jnp.inf, jnp.float32), row_layout)
+    l_i = plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), 0.0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(
+      jnp.full((ROWS_PER_TILE, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
+    )
+    acc, _, l_i = lax.fori_loop(0, num_chunks, step, (acc, m_i, l_i))
+    inv_l = 1.0 / jnp.where(l_i > 0.0, l_i, 1.0)  # rows no chunk saw: acc = 0
+    merged_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+    plgpu.commit_smem()
+
+    def store_rows(tile_start):
+      for j in range(q_len):  # token j: packed rows [j * G, (j + 1) * G) of this tile
+        first = max(j * group, tile_start)
+        last = min((j + 1) * group, tile_start + ROWS_PER_TILE, num_rows)
+        if first < last:
+          plgpu.copy_smem_to_gmem(
+            merged_smem.at[pl.ds(first - tile_start, last - first)],
+            out_ref.at[request, j, pl.ds(kv_head * group + first - j * group, last - first)],
+          )
+
+    for tile_index in range(row_tiles):  # the rows' tokens are static per tile
+      pl.when(row_tile == tile_index)(functools.partial(store_rows, tile_index * ROWS_PER_TILE))
+    plgpu.wait_smem_to_gmem(0)
+
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  return plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((batch, q_len, num_kv_heads * group, head_dim), dtype),
+    scratch_types=[
+      plgpu.SMEM((2, ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((2, ROWS_PER_TILE), jnp.float32),
+      plgpu.SMEM((ROWS_PER_TILE, head_dim), dtype),
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),
+    ],
+    grid=(num_kv_heads, row_tiles, batch),
+    grid_names=("kv_head", "row_tile", "request"),
+    interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
+  )(partial_out, partial_lse)
