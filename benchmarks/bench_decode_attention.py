@@ -37,7 +37,8 @@ on the first input, over the first requests of the batch (up to 8, so that it fi
 Effective bandwidth is unique KV bytes (K and V of every request's ``S`` positions, in the
 pages' dtype) / time. ``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the
 first section; ``--tune`` adds a sweep of tuning configs on three shapes, of the fp8
-ring depth, and ``TuningConfig.merge_kernel`` against the XLA merge where the KV is split.
+ring depth and register layout, and ``TuningConfig.merge_kernel`` against the XLA merge where
+the KV is split.
 
 ``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
 ``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
@@ -721,9 +722,10 @@ def tune(rng, tuning, save, smoke=False):
       (1, 128, None, 4),
     ]
   ]
-  fp8_configs = [
-    TuningConfig(num_stages=s, balance_waves=4) for s in (2, 3, 4)
-  ]  # 3: the fp8 default at D 128
+  fp8_configs = [  # ring depth (3 is the default at D 128) and the fp8 register layout
+    *(TuningConfig(num_stages=s, balance_waves=4) for s in (2, 3, 4)),
+    TuningConfig(num_stages=3, balance_waves=4, fp8_8bit_layout=True),
+  ]
   # The merge and row unpacking in one kernel (off by default) on shapes that split the KV.
   default = default_config(HEAD_DIM, PAGE_SIZE)
   merge = [default, dataclasses.replace(default, merge_kernel=True)]

@@ -126,6 +126,20 @@ FP8_CASES = [
     fp8=True,
   ),
   KernelCase((100, 6), 4, 1, 8, 64, 64, F16, TuningConfig(block_kv=128, num_stages=2), fp8=True),
+  KernelCase(
+    (130, 3, 64),
+    5,
+    1,
+    4,
+    128,
+    32,
+    BF16,
+    TuningConfig(num_stages=2, num_chunks=2, fp8_8bit_layout=True),
+    fp8=True,
+  ),
+  KernelCase(
+    (70, 1), 2, 2, 8, 64, 16, F16, TuningConfig(num_stages=1, fp8_8bit_layout=True), fp8=True
+  ),
 ]
 
 
@@ -251,6 +265,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("balance_waves", 0),
     ("num_sms", 0),
     ("merge_kernel", 1),
+    ("fp8_8bit_layout", None),
   ],
 )
 def test_tuning_config_is_validated(field, value):
@@ -598,6 +613,24 @@ LOWERING_CASES = [
     F16,
     FP8,
     TuningConfig(num_chunks=2, merge_kernel=True),
+  ),
+  (
+    "fp8 bf16 D128 8-bit layout",
+    (2, 3, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    FP8,
+    TuningConfig(num_stages=3, fp8_8bit_layout=True),
+  ),
+  (
+    "fp8 f16 D64 8-bit layout",
+    (2, 7, 16, 64),
+    (2, 64, 32, 64),
+    8,
+    F16,
+    FP8,
+    TuningConfig(fp8_8bit_layout=True),
   ),
   (
     "fp8 bf16 G12 q7 block 128",
