@@ -36,9 +36,9 @@ Every row also reports the largest difference between our output and the XLA ref
 on the first input, over the first requests of the batch (up to 8, so that it fits).
 Effective bandwidth is unique KV bytes (K and V of every request's ``S`` positions, in the
 pages' dtype) / time. ``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the
-first section; ``--tune`` adds a sweep of tuning configs on three shapes, of the fp8
-ring depth and register layout, and ``TuningConfig.merge_kernel`` against the XLA merge where
-the KV is split.
+first section. ``--tune`` instead runs only a sweep of tuning configs (on three shapes; the
+fp8 ring depth and register layout; ``TuningConfig.merge_kernel`` against the XLA merge where
+the KV is split) and writes ``results/decode_attention_tuning.{json,md}``.
 
 ``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
 ``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
@@ -53,7 +53,8 @@ its CUPTI time, next to the steady-state time per call: where the time of small 
 shapes in GPU interpret mode with ours and XLA only: a CPU check of the script, not a
 measurement.
 
-Usage: ``python benchmarks/bench_decode_attention.py [--quick] [--tune] [--no-flashinfer]``,
+Usage: ``python benchmarks/bench_decode_attention.py [--quick] [--no-flashinfer]``,
+``python benchmarks/bench_decode_attention.py --tune``,
 ``python benchmarks/bench_decode_attention.py --two-warpgroup-check`` or
 ``python benchmarks/bench_decode_attention.py --breakdown``.
 """
@@ -576,21 +577,23 @@ def breakdown(rng, out_dir):
   """CUPTI time of every kernel of one call of ours, and the steady-state time per call."""
   from jax.experimental.mosaic.gpu import profiler
 
+  merge = dataclasses.replace(default_config(HEAD_DIM, PAGE_SIZE), merge_kernel=True)
   rows = []
-  for name, seq_lens, q_len in [
-    ("B1 L8k", [8192], 1),
-    ("B1 L8k", [8192], 7),
-    ("B8 L32k", [32768] * 8, 1),
-    ("B64 L32k", [32768] * 64, 1),
-    ("B64 L32k", [32768] * 64, 7),
+  for name, seq_lens, q_len, fp8, config in [
+    ("B1 L8k", [8192], 1, False, None),
+    ("B1 L8k", [8192], 7, False, None),
+    ("B1 L8k", [8192], 7, False, merge),
+    ("B8 L32k", [32768] * 8, 1, False, None),
+    ("B64 L32k", [32768] * 64, 1, False, None),
+    ("B64 L32k", [32768] * 64, 7, False, None),
+    ("B64 L32k", [32768] * 64, 7, True, None),
   ]:
     batch = make_batch(rng, seq_lens)
+    if fp8:
+      batch = to_fp8(batch)
     queries = fresh_queries(rng, len(seq_lens), q_len, inner_count(batch.kv_bytes))
-    lens = jnp.asarray(batch.seq_lens)
-    call = jax.jit(
-      lambda q, k, v, t, s: paged_decode_attention(q, k, v, t, s, impl="pallas")  # noqa: B023
-    )
-    args = (queries[0], batch.k_pages, batch.v_pages, batch.block_tables, lens)
+    call = jax.jit(_ours("pallas", config))
+    args = (queries[0], *batch.shared_args)
     jax.block_until_ready(call(*args))
     kernels = []
     for _ in range(5):  # keep the fastest of five profiled calls, kernel by kernel
@@ -600,8 +603,9 @@ def breakdown(rng, out_dir):
       else:
         for entry, (_, ms) in zip(kernels, timings, strict=True):
           entry[1] = min(entry[1], ms * 1e3)
-    wall_us = time_ours(batch, queries) * 1e6
-    row = {"shape": name, "q_len": q_len, "wall_us": wall_us, "kernels": kernels}
+    wall_us = time_ours(batch, queries, config) * 1e6
+    label = name + (" fp8" if fp8 else "") + (" merge kernel" if config is merge else "")
+    row = {"shape": label, "q_len": q_len, "wall_us": wall_us, "kernels": kernels}
     print(json.dumps(row), flush=True)
     rows.append(row)
     del batch
@@ -628,7 +632,9 @@ def breakdown(rng, out_dir):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--tune", action="store_true", help="sweep tuning configs too")
+  parser.add_argument(
+    "--tune", action="store_true", help="only the tuning sweep (decode_attention_tuning.*)"
+  )
   parser.add_argument("--quick", action="store_true", help="first section, B1 and B64 at 8k")
   parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer out")
   parser.add_argument(
@@ -683,28 +689,28 @@ def main():
     "default_config_fp8": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE, FP8)),
   }
   rows, tuning = [], []
+  name = "decode_attention_tuning" if args.tune else "decode_attention"
 
   def save():
     """Writes what has been measured so far (a run cut short keeps its finished shapes)."""
     meta["elapsed_s"] = round(time.perf_counter() - started, 1)
-    (out_dir / "decode_attention.json").write_text(
+    (out_dir / f"{name}.json").write_text(
       json.dumps({"meta": meta, "rows": rows, "tuning": tuning}, indent=1)
     )
-    (out_dir / "decode_attention.md").write_text(render_markdown(meta, rows, tuning))
+    (out_dir / f"{name}.md").write_text(render_markdown(meta, rows, tuning))
 
   meta["skipped"] = []
-  for shape in benchmark_shapes(rng, args.quick, version is not None, args.smoke):
-    if time.perf_counter() - started > args.time_budget:
-      meta["skipped"].append(f"{shape.section} {shape.name}")
-      continue
-    rows += run_shape(rng, shape, smoke=args.smoke)
-    save()
-    print(f"[{time.perf_counter() - started:.0f} s]", flush=True)
-  save()
-
   if args.tune:
     tune(rng, tuning, save, smoke=args.smoke)
-
+  else:
+    for shape in benchmark_shapes(rng, args.quick, version is not None, args.smoke):
+      if time.perf_counter() - started > args.time_budget:
+        meta["skipped"].append(f"{shape.section} {shape.name}")
+        continue
+      rows += run_shape(rng, shape, smoke=args.smoke)
+      save()
+      print(f"[{time.perf_counter() - started:.0f} s]", flush=True)
+  save()
   print(render_markdown(meta, rows, tuning))
 
 
