@@ -1,9 +1,17 @@
 """Paged multi-row decode attention on one GPU: our kernel against its contenders.
 
-Runs side by side in one process, on identical inputs (bf16, Hkv 8, G 8, D 128,
-page 16, shuffled page tables, fresh random data):
+Runs side by side in one process, on identical inputs (bf16, Hkv 8, page 16, shuffled page
+tables, fresh random data):
 
 * ``ours``: ``paged_decode_attention(impl="pallas")``, the packed-row Mosaic GPU kernel;
+* ``flashinfer``: FlashInfer's fastest Hopper paths on the same paged data (our HND pages
+  transposed once, outside the timing, into its HND ``[num_pages, Hkv, page, D]`` layout):
+  ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)`` for q_len 1 and
+  ``BatchPrefillWithPagedKVCacheWrapper(causal=True, backend="fa2")`` for q_len > 1; timed
+  as a CUDA graph of back-to-back calls on distinct queries (CUDA events around its replay),
+  its output checked against ours. Optional: without an importable ``flashinfer`` (0.7.2 was
+  measured; it compiles its kernels on first use, about a minute) the run goes on without it
+  and says so;
 * ``triton_per_row``: jax's Pallas Triton ``paged_attention`` with one work item
   per draft row (every row a separate sequence of its own causal length), the
   way a JAX user runs MTP today;
@@ -11,25 +19,43 @@ page 16, shuffled page tables, fresh random data):
 * ``torch_sdpa``: torch ``scaled_dot_product_attention`` on contiguous KV with a
   lower-right causal mask (the same values, gathered once outside the timing).
 
-Shapes: B in {1, 8, 64} x L in {8k, 32k} x q_len in {1, 3, 7}, plus a ragged
-batch of 64 requests with lengths drawn from 1k..32k. Effective bandwidth is
-unique KV bytes (K and V of every request's ``S`` positions) / time. Writes
-``results/decode_attention.json`` and ``.md``; ``--tune`` adds a sweep of
-tuning configs on three shapes.
+Sections (rows of ``results/decode_attention.{json,md}``):
+
+* ``G8 D128`` (all contenders): B in {1, 8, 64} x L in {8k, 32k} x q_len in {1, 3, 7}, plus
+  a ragged batch of 64 requests with lengths drawn from 1k..32k;
+* ``GLM-4.5 G12`` (ours, FlashInfer): 96 query / 8 KV heads, where q_len 6 and 7 pack 72 and
+  84 rows (more than one 64-row tile): B1 L8k, B8 L32k, B64 L32k, ragged B64, q_len 1/6/7;
+* ``fp8 KV`` (ours): B64 L32k, q_len 1/3/7, the same values in bf16 and in fp8 (e4m3, one
+  scale per KV head) pages; the bf16 / fp8 time ratio (target: at least 1.8);
+* ``D64`` (ours, FlashInfer): G8, D 64 at B8 and B64 L32k, q_len 1/3/7.
+
+Sections run in this order; after ``--time-budget`` seconds (default 420) no new shape is
+started and the ones left are listed as skipped.
+
+Every row also reports the largest difference between our output and the XLA reference's
+on the first input, over the first requests of the batch (up to 8, so that it fits).
+Effective bandwidth is unique KV bytes (K and V of every request's ``S`` positions, in the
+pages' dtype) / time. ``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the
+first section. ``--tune`` instead runs only a sweep of tuning configs (on three shapes; the
+fp8 ring depth and register layout; ``TuningConfig.merge_kernel`` against the XLA merge where
+the KV is split) and writes ``results/decode_attention_tuning.{json,md}``.
 
 ``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
 ``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
 128-row tile of two warpgroups (``TuningConfig.two_warpgroup_tiles``), at B8 and
-B64, L 8k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json,md}``;
-with ``--smoke`` it runs the same steps on tiny shapes in GPU interpret mode
-(a CPU check of the script, not a measurement).
+B64, L 8k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json,md}``.
 
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
 its CUPTI time, next to the steady-state time per call: where the time of small shapes goes.
 
-Usage: ``python benchmarks/bench_decode_attention.py [--tune] [--quick]``,
-``python benchmarks/bench_decode_attention.py --two-warpgroup-check [--smoke]`` or
+``--smoke`` (main run, ``--tune`` and ``--two-warpgroup-check``) runs the same steps on tiny
+shapes in GPU interpret mode with ours and XLA only: a CPU check of the script, not a
+measurement.
+
+Usage: ``python benchmarks/bench_decode_attention.py [--quick] [--no-flashinfer]``,
+``python benchmarks/bench_decode_attention.py --tune``,
+``python benchmarks/bench_decode_attention.py --two-warpgroup-check`` or
 ``python benchmarks/bench_decode_attention.py --breakdown``.
 """
 
@@ -38,7 +64,10 @@ import dataclasses
 import datetime
 import json
 import pathlib
+import statistics
 import sys
+import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,26 +80,41 @@ from jaxspec.kernels.decode_attention.api import paged_decode_attention  # noqa:
 from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig, default_config  # noqa: E402
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
+GLM_GROUP = 12  # GLM-4.5: 96 query heads over 8 KV heads
 DTYPE = jnp.bfloat16
+FP8 = jnp.float8_e4m3fn
 DATASHEET_TBPS = 4.8  # H200 HBM3e
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-IMPLS = ("pallas", "xla")
+XLA_CHECK_REQUESTS = 8  # ours is compared with the XLA reference on this many requests
+FP8_TARGET_RATIO = 1.8
 
 
 @dataclasses.dataclass
 class Batch:
   seq_lens: np.ndarray  # [B]
-  k_pages: jax.Array  # [Hkv, num_pages, page, D]
+  k_pages: jax.Array  # [Hkv, num_pages, page, D], bf16 or fp8
   v_pages: jax.Array
   block_tables: jax.Array  # int32 [B, max_pages]
   kv_bytes: int  # unique K and V bytes the step must read
+  k_scale: jax.Array | None = None  # f32 [Hkv] with fp8 pages
+  v_scale: jax.Array | None = None
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pages.shape[-1]
+
+  @property
+  def shared_args(self) -> tuple:
+    """What every call of ours reads besides q: pages, table, lengths, scales."""
+    lens = jnp.asarray(self.seq_lens)
+    return (self.k_pages, self.v_pages, self.block_tables, lens, self.k_scale, self.v_scale)
 
 
-def make_batch(rng, seq_lens) -> Batch:
+def make_batch(rng, seq_lens, head_dim=HEAD_DIM, pad_to=128) -> Batch:
   seq_lens = np.asarray(seq_lens, np.int32)
   pages_needed = -(-seq_lens // PAGE_SIZE)
   # Triton's paged_attention needs k_splits (16) * pages_per_compute_block (8) | max_pages.
-  max_pages = int(-(-pages_needed.max() // 128) * 128)
+  max_pages = int(-(-pages_needed.max() // pad_to) * pad_to)
   num_pages = int(pages_needed.sum())
   order = rng.permutation(num_pages).astype(np.int32)
   block_tables = np.zeros((len(seq_lens), max_pages), np.int32)
@@ -78,8 +122,8 @@ def make_batch(rng, seq_lens) -> Batch:
   for b, needed in enumerate(pages_needed):
     block_tables[b, :needed] = order[offsets[b] : offsets[b + 1]]
   key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(1 << 31))))
-  shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, HEAD_DIM)
-  kv_bytes = int(seq_lens.sum()) * NUM_KV_HEADS * HEAD_DIM * 2 * jnp.dtype(DTYPE).itemsize
+  shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, head_dim)
+  kv_bytes = int(seq_lens.sum()) * NUM_KV_HEADS * head_dim * 2 * jnp.dtype(DTYPE).itemsize
   return Batch(
     seq_lens,
     jax.random.normal(key_k, shape, DTYPE),
@@ -89,9 +133,28 @@ def make_batch(rng, seq_lens) -> Batch:
   )
 
 
-def fresh_queries(rng, batch, q_len, count, group=GROUP):
+def to_fp8(batch: Batch) -> Batch:
+  """The same values in e4m3 pages with one scale per KV head (amax / 448, as calibrated)."""
+
+  def quantise(pages):
+    scale = jnp.max(jnp.abs(pages.astype(jnp.float32)), axis=(1, 2, 3)) / 448.0  # [Hkv]
+    stored = (pages / scale[:, None, None, None].astype(pages.dtype)).astype(FP8)
+    return stored, scale
+
+  (k_pages, k_scale), (v_pages, v_scale) = quantise(batch.k_pages), quantise(batch.v_pages)
+  return dataclasses.replace(
+    batch,
+    k_pages=k_pages,
+    v_pages=v_pages,
+    k_scale=k_scale,
+    v_scale=v_scale,
+    kv_bytes=batch.kv_bytes // 2,
+  )
+
+
+def fresh_queries(rng, batch, q_len, count, group=GROUP, head_dim=HEAD_DIM):
   keys = jax.random.split(jax.random.key(int(rng.integers(1 << 31))), count)
-  shape = (batch, q_len, NUM_KV_HEADS * group, HEAD_DIM)
+  shape = (batch, q_len, NUM_KV_HEADS * group, head_dim)
   return [jax.random.normal(k, shape, DTYPE) for k in keys]
 
 
@@ -101,33 +164,36 @@ def inner_count(kv_bytes):
   return int(np.clip(2e10 / max(kv_bytes, 1), 4, 16))
 
 
-def time_ours(batch, queries, config=None, interpret=False, **timing):
-  def fn(q, k, v, tables, lens):
+def _ours(impl, config=None, interpret=False):
+  def call(q, k, v, tables, lens, k_scale, v_scale):
     return paged_decode_attention(
-      q, k, v, tables, lens, impl="pallas", config=config, interpret=interpret
+      q,
+      k,
+      v,
+      tables,
+      lens,
+      impl=impl,
+      config=config,
+      interpret=interpret,
+      k_scale=k_scale,
+      v_scale=v_scale,
     )
 
-  return time_jax(
-    fn,
-    queries,
-    batch.k_pages,
-    batch.v_pages,
-    batch.block_tables,
-    jnp.asarray(batch.seq_lens),
-    **timing,
-  )
+  return call
 
 
-def time_xla(batch, queries):
-  def fn(q, k, v, tables, lens):
-    return paged_decode_attention(q, k, v, tables, lens, impl="xla")
-
-  return time_jax(
-    fn, queries, batch.k_pages, batch.v_pages, batch.block_tables, jnp.asarray(batch.seq_lens)
-  )
+def time_ours(batch, queries, config=None, interpret=False, notes=None, **timing):
+  del notes
+  return time_jax(_ours("pallas", config, interpret), queries, *batch.shared_args, **timing)
 
 
-def time_triton_per_row(batch, queries):
+def time_xla(batch, queries, notes=None, **timing):
+  del notes
+  return time_jax(_ours("xla"), queries, *batch.shared_args, **timing)
+
+
+def time_triton_per_row(batch, queries, notes=None):
+  del notes
   from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
   b, q_len, num_heads, head_dim = queries[0].shape
@@ -143,17 +209,21 @@ def time_triton_per_row(batch, queries):
   )
 
 
-def time_torch_sdpa(batch, queries):
+def time_torch_sdpa(batch, queries, notes=None):
   """Contiguous KV [B, Hkv, L, D] (uniform lengths only), GQA, lower-right causal mask."""
+  del notes
   import torch
   import torch.nn.functional as F
   from torch.nn.attention.bias import causal_lower_right
 
   length = int(batch.seq_lens[0])
+  if np.any(batch.seq_lens != length):
+    raise ValueError("torch SDPA runs on uniform lengths only (contiguous KV)")
   b, q_len = queries[0].shape[:2]
+  head_dim = batch.head_dim
 
   def contiguous(pages):
-    gathered = pages[:, batch.block_tables].reshape(NUM_KV_HEADS, b, -1, HEAD_DIM)
+    gathered = pages[:, batch.block_tables].reshape(NUM_KV_HEADS, b, -1, head_dim)
     return torch.from_dlpack(jnp.swapaxes(gathered[:, :, :length], 0, 1))
 
   keys, values = contiguous(batch.k_pages), contiguous(batch.v_pages)
@@ -170,6 +240,114 @@ def time_torch_sdpa(batch, queries):
   return time_torch(call, inner=len(qs))
 
 
+def flashinfer_version() -> str | None:
+  """FlashInfer's version when it can be imported with torch on a GPU, else ``None``."""
+  try:
+    import flashinfer
+    import torch
+  except ImportError:
+    return None
+  if not torch.cuda.is_available():
+    return None
+  return getattr(flashinfer, "__version__", "unknown version")
+
+
+def time_torch_graph(calls, reps: int = 15, warmup: int = 2) -> float:
+  """Median seconds per call of ``calls`` (a list of closures) captured back to back in one
+  CUDA graph, timed by CUDA events around each replay: no host launch cost per call."""
+  import torch
+
+  for call in calls:  # first use outside the capture: builds, allocations
+    call()
+  torch.cuda.synchronize()
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    for call in calls:
+      call()
+  for _ in range(warmup):
+    graph.replay()
+  torch.cuda.synchronize()
+  samples = []
+  for _ in range(reps):
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    samples.append(start.elapsed_time(stop) / 1e3 / len(calls))
+  return statistics.median(samples)
+
+
+def time_flashinfer(batch, queries, notes):
+  """FlashInfer's best Hopper path for this q_len on the same pages; checked against ours."""
+  import flashinfer
+  import torch
+
+  if batch.k_scale is not None:
+    raise ValueError("fp8 pages are timed for ours only")
+  b, q_len, num_q_heads, head_dim = queries[0].shape
+  page_size = batch.k_pages.shape[2]
+  needed = -(-batch.seq_lens // page_size)
+  tables = np.asarray(batch.block_tables)
+  indices = np.concatenate([tables[i, :n] for i, n in enumerate(needed)]).astype(np.int32)
+  indptr = np.concatenate([[0], np.cumsum(needed)]).astype(np.int32)
+  last_page_len = ((batch.seq_lens - 1) % page_size + 1).astype(np.int32)
+  device = torch.device("cuda")
+
+  def tensor(array):
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+  # Our [Hkv, N, page, D] pages as FlashInfer's HND [N, Hkv, page, D] (one copy, untimed).
+  kv_cache = tuple(
+    torch.from_dlpack(jax.block_until_ready(jnp.swapaxes(pages, 0, 1)))
+    for pages in (batch.k_pages, batch.v_pages)
+  )
+  workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+  dtypes = {"q_data_type": torch.bfloat16, "kv_data_type": torch.bfloat16}
+  plan_args = (tensor(indptr), tensor(indices), tensor(last_page_len))
+  if q_len == 1:
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+      workspace, kv_layout="HND", use_tensor_cores=True
+    )
+    wrapper.plan(*plan_args, num_q_heads, NUM_KV_HEADS, head_dim, page_size, **dtypes)
+    notes["path"] = "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)"
+  else:
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+      workspace, kv_layout="HND", backend="fa2"
+    )
+    qo_indptr = tensor(np.arange(b + 1, dtype=np.int32) * q_len)
+    wrapper.plan(
+      qo_indptr, *plan_args, num_q_heads, NUM_KV_HEADS, head_dim, page_size, causal=True, **dtypes
+    )
+    notes["path"] = 'BatchPrefillWithPagedKVCacheWrapper(causal=True, backend="fa2")'
+  jax.block_until_ready(queries)  # torch reads them on its own stream
+  torch_queries = [torch.from_dlpack(q).reshape(b * q_len, num_q_heads, head_dim) for q in queries]
+  outputs = []
+
+  def make_call(q):
+    return lambda: outputs.append(wrapper.run(q, kv_cache))
+
+  calls = [make_call(q) for q in torch_queries]
+  calls[0]()
+  torch.cuda.synchronize()
+  first = jnp.asarray(np.asarray(outputs[0].float().cpu())).reshape(queries[0].shape)
+  ours = paged_decode_attention(queries[0], *batch.shared_args[:4], impl="pallas")
+  notes["max_abs_diff_vs_ours"] = float(jnp.max(jnp.abs(first - ours.astype(jnp.float32))))
+  try:
+    notes["timing"] = "CUDA graph"
+    return time_torch_graph(calls)
+  except Exception as error:  # fall back, and say so in the row
+    notes["timing"] = f"CUDA events, no graph ({type(error).__name__})"
+    state = {"i": 0}
+
+    def call():
+      state["i"] = (state["i"] + 1) % len(calls)
+      calls[state["i"]]()
+      outputs.clear()
+
+    return time_torch(call, inner=len(calls))
+
+
 def measure_read_bandwidth():
   """TB/s of float32 sums over four distinct 1 GiB bf16 arrays: a practical read ceiling.
 
@@ -182,30 +360,125 @@ def measure_read_bandwidth():
   return arrays[0].nbytes / seconds / 1e12
 
 
-def run_shape(rng, name, seq_lens, q_lens, contenders):
-  batch = make_batch(rng, seq_lens)
+def difference_vs_xla(batch: Batch, q, interpret=False) -> float:
+  """Largest |ours - XLA| on the first requests of the batch (the XLA gather must fit)."""
+  n = min(len(batch.seq_lens), XLA_CHECK_REQUESTS)
+  k_pages, v_pages, tables, lens, k_scale, v_scale = batch.shared_args
+  args = (q[:n], k_pages, v_pages, tables[:n], lens[:n])
+  scales = {"k_scale": k_scale, "v_scale": v_scale}
+  outs = [
+    paged_decode_attention(*args, impl=impl, interpret=interpret, **scales).astype(jnp.float32)
+    for impl in ("pallas", "xla")
+  ]
+  return float(jnp.max(jnp.abs(outs[0] - outs[1])))
+
+
+class Shape(NamedTuple):
+  section: str
+  name: str
+  seq_lens: np.ndarray
+  q_lens: tuple[int, ...]
+  contenders: tuple[str, ...]
+  group: int = GROUP
+  head_dim: int = HEAD_DIM
+  fp8: bool = False  # time ours on bf16 and on fp8 pages of the same values
+
+
+TIMERS = {
+  "ours": time_ours,
+  "flashinfer": time_flashinfer,
+  "triton_per_row": time_triton_per_row,
+  "xla": time_xla,
+  "torch_sdpa": time_torch_sdpa,
+}
+
+
+def run_shape(rng, shape: Shape, smoke=False):
+  batch = make_batch(rng, shape.seq_lens, shape.head_dim, pad_to=8 if smoke else 128)
+  variants = [("bf16", batch)] + ([("fp8", to_fp8(batch))] if shape.fp8 else [])
+  timing = {"reps": 1, "warmup": 0} if smoke else {}
   rows = []
-  for q_len in q_lens:
-    queries = fresh_queries(rng, len(seq_lens), q_len, inner_count(batch.kv_bytes))
-    row = {"shape": name, "B": len(seq_lens), "q_len": q_len, "kv_bytes": batch.kv_bytes}
-    if "xla" in contenders:  # ours against the XLA reference on the first input (bf16 rounding)
-      lens = jnp.asarray(batch.seq_lens)
-      args = (queries[0], batch.k_pages, batch.v_pages, batch.block_tables, lens)
-      try:
-        outs = [paged_decode_attention(*args, impl=impl).astype(jnp.float32) for impl in IMPLS]
-        row["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(outs[0] - outs[1])))
-      except Exception as error:  # reported with the timings, not fatal
-        row["check_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-    for contender, timer in contenders.items():
-      try:
-        seconds = timer(batch, queries)
-        row[contender] = {"us": seconds * 1e6, "tbps": batch.kv_bytes / seconds / 1e12}
-      except Exception as error:  # a contender that cannot run is reported, not fatal
-        row[contender] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-      print(name, q_len, contender, row[contender], flush=True)
+  for q_len in shape.q_lens:
+    count = 1 if smoke else inner_count(batch.kv_bytes)
+    queries = fresh_queries(rng, len(shape.seq_lens), q_len, count, shape.group, shape.head_dim)
+    row = {
+      "section": shape.section,
+      "shape": shape.name,
+      "B": len(shape.seq_lens),
+      "G": shape.group,
+      "D": shape.head_dim,
+      "q_len": q_len,
+      "kv_bytes": batch.kv_bytes,
+    }
+    for label, pages in variants:
+      suffix = "" if label == "bf16" else "_fp8"
+      try:  # reported with the timings, not fatal
+        row["max_abs_diff_vs_xla" + suffix] = difference_vs_xla(pages, queries[0], smoke)
+      except Exception as error:  # reported, not fatal
+        row["check_error" + suffix] = f"{type(error).__name__}: {str(error)[:300]}"
+      for contender in shape.contenders if label == "bf16" else ("ours",):
+        entry = {}
+        try:
+          if contender == "ours":
+            seconds = time_ours(pages, queries, interpret=smoke, **timing)
+          elif contender == "xla":
+            seconds = time_xla(pages, queries, **timing)
+          else:
+            seconds = TIMERS[contender](pages, queries, notes=entry)
+          entry.update(us=seconds * 1e6, tbps=pages.kv_bytes / seconds / 1e12)
+        except Exception as error:  # a contender that cannot run is reported, not fatal
+          entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        row[contender + suffix] = entry
+        print(
+          shape.name,
+          f"G{shape.group} D{shape.head_dim}",
+          q_len,
+          contender + suffix,
+          entry,
+          flush=True,
+        )
     rows.append(row)
-  del batch
   return rows
+
+
+def benchmark_shapes(rng, quick: bool, flashinfer: bool, smoke: bool) -> list[Shape]:
+  """The grid (module docstring); ``smoke``: tiny stand-ins for every section."""
+  fi = ("flashinfer",) if flashinfer else ()
+  if smoke:
+    ours = ("ours", "xla")
+    return [
+      Shape("G8 D128", "B2 L200", np.array([200, 77]), (1, 3), ours),
+      Shape("GLM-4.5 G12", "B2 L150", np.array([150, 64]), (6,), ours, group=GLM_GROUP),
+      Shape("D64", "B2 L130", np.array([130, 1]), (3,), ours, head_dim=64),
+      Shape("fp8 KV", "B2 L140", np.array([140, 20]), (1, 3), ("ours",), fp8=True),
+    ]
+  everyone = ("ours", *fi, "triton_per_row", "xla", "torch_sdpa")
+  shapes = []
+  for b in (1, 64) if quick else (1, 8, 64):
+    for length in (8192,) if quick else (8192, 32768):
+      # The XLA gather of f32 K/V would not fit next to the rest at larger sizes.
+      contenders = tuple(c for c in everyone if c != "xla" or b * length <= 8 * 32768)
+      shapes.append(
+        Shape("G8 D128", f"B{b} L{length // 1024}k", np.full(b, length), (1, 3, 7), contenders)
+      )
+  ragged = rng.integers(1024, 32768 + 1, size=64)
+  shapes.append(
+    Shape("G8 D128", "B64 ragged 1k..32k", ragged, (1, 3, 7), ("ours", *fi, "triton_per_row"))
+  )
+  if quick:
+    return shapes
+  ours_and_fi = ("ours", *fi)
+  for name, lens in [
+    ("B1 L8k", np.full(1, 8192)),
+    ("B8 L32k", np.full(8, 32768)),
+    ("B64 L32k", np.full(64, 32768)),
+    ("B64 ragged 1k..32k", ragged),
+  ]:
+    shapes.append(Shape("GLM-4.5 G12", name, lens, (1, 6, 7), ours_and_fi, group=GLM_GROUP))
+  shapes.append(Shape("fp8 KV", "B64 L32k", np.full(64, 32768), (1, 3, 7), ("ours",), fp8=True))
+  for name, lens in [("B8 L32k", np.full(8, 32768)), ("B64 L32k", np.full(64, 32768))]:
+    shapes.append(Shape("D64", name, lens, (1, 3, 7), ours_and_fi, head_dim=64))
+  return shapes
 
 
 def two_warpgroup_check(rng, out_dir, smoke=False):
@@ -304,21 +577,23 @@ def breakdown(rng, out_dir):
   """CUPTI time of every kernel of one call of ours, and the steady-state time per call."""
   from jax.experimental.mosaic.gpu import profiler
 
+  merge = dataclasses.replace(default_config(HEAD_DIM, PAGE_SIZE), merge_kernel=True)
   rows = []
-  for name, seq_lens, q_len in [
-    ("B1 L8k", [8192], 1),
-    ("B1 L8k", [8192], 7),
-    ("B8 L32k", [32768] * 8, 1),
-    ("B64 L32k", [32768] * 64, 1),
-    ("B64 L32k", [32768] * 64, 7),
+  for name, seq_lens, q_len, fp8, config in [
+    ("B1 L8k", [8192], 1, False, None),
+    ("B1 L8k", [8192], 7, False, None),
+    ("B1 L8k", [8192], 7, False, merge),
+    ("B8 L32k", [32768] * 8, 1, False, None),
+    ("B64 L32k", [32768] * 64, 1, False, None),
+    ("B64 L32k", [32768] * 64, 7, False, None),
+    ("B64 L32k", [32768] * 64, 7, True, None),
   ]:
     batch = make_batch(rng, seq_lens)
+    if fp8:
+      batch = to_fp8(batch)
     queries = fresh_queries(rng, len(seq_lens), q_len, inner_count(batch.kv_bytes))
-    lens = jnp.asarray(batch.seq_lens)
-    call = jax.jit(
-      lambda q, k, v, t, s: paged_decode_attention(q, k, v, t, s, impl="pallas")  # noqa: B023
-    )
-    args = (queries[0], batch.k_pages, batch.v_pages, batch.block_tables, lens)
+    call = jax.jit(_ours("pallas", config))
+    args = (queries[0], *batch.shared_args)
     jax.block_until_ready(call(*args))
     kernels = []
     for _ in range(5):  # keep the fastest of five profiled calls, kernel by kernel
@@ -328,8 +603,9 @@ def breakdown(rng, out_dir):
       else:
         for entry, (_, ms) in zip(kernels, timings, strict=True):
           entry[1] = min(entry[1], ms * 1e3)
-    wall_us = time_ours(batch, queries) * 1e6
-    row = {"shape": name, "q_len": q_len, "wall_us": wall_us, "kernels": kernels}
+    wall_us = time_ours(batch, queries, config) * 1e6
+    label = name + (" fp8" if fp8 else "") + (" merge kernel" if config is merge else "")
+    row = {"shape": label, "q_len": q_len, "wall_us": wall_us, "kernels": kernels}
     print(json.dumps(row), flush=True)
     rows.append(row)
     del batch
@@ -356,13 +632,22 @@ def breakdown(rng, out_dir):
 
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--tune", action="store_true", help="sweep tuning configs too")
-  parser.add_argument("--quick", action="store_true", help="B1 and B64 at L 8k only")
+  parser.add_argument(
+    "--tune", action="store_true", help="only the tuning sweep (decode_attention_tuning.*)"
+  )
+  parser.add_argument("--quick", action="store_true", help="first section, B1 and B64 at 8k")
+  parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer out")
   parser.add_argument(
     "--two-warpgroup-check", action="store_true", help="only G 12: 64-row tiles vs two warpgroups"
   )
-  parser.add_argument("--smoke", action="store_true", help="with --two-warpgroup-check: CPU run")
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+  parser.add_argument(
+    "--time-budget",
+    type=float,
+    default=420.0,
+    help="seconds after which no new shape is started (the rest is listed as skipped)",
+  )
   parser.add_argument("--out", default=str(RESULTS))
   args = parser.parse_args()
   rng = np.random.default_rng(0)
@@ -375,96 +660,139 @@ def main():
     breakdown(rng, out_dir)
     return
 
-  read_tbps = measure_read_bandwidth()
-  print(f"read ceiling {read_tbps:.2f} TB/s", flush=True)
+  started = time.perf_counter()
+  version = None if args.no_flashinfer or args.smoke else flashinfer_version()
+  if args.no_flashinfer:
+    flashinfer_note = "left out (--no-flashinfer)"
+  elif version is None:
+    flashinfer_note = "not available (no flashinfer/torch with a GPU): the run goes on without it"
+  else:
+    flashinfer_note = f"flashinfer {version}"
+  print("FlashInfer:", flashinfer_note, flush=True)
+  read_tbps = None if args.smoke else measure_read_bandwidth()
+  if read_tbps:
+    print(f"read ceiling {read_tbps:.2f} TB/s", flush=True)
   meta = {
     "gpu": jax.devices()[0].device_kind,
     "jax": jax.__version__,
     "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    "setup": f"bf16, Hkv {NUM_KV_HEADS}, G {GROUP}, D {HEAD_DIM}, page {PAGE_SIZE}",
+    "setup": f"bf16, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}; G and D per section"
+    + (", interpret-mode smoke run (not a measurement)" if args.smoke else ""),
+    "flashinfer": flashinfer_note,
     "read_ceiling_tbps": read_tbps,  # shares below are of the datasheet figure
     "datasheet_tbps": DATASHEET_TBPS,
     "timing": "jax: median steady-state time per call of a jitted batch of calls on distinct "
-    "inputs (wall time of two back-to-back launches minus one); torch: CUDA events around "
-    "back-to-back calls; warm-up excluded",
+    "inputs (wall time of two back-to-back launches minus one); FlashInfer: CUDA events around "
+    "the replay of a CUDA graph of back-to-back calls on distinct inputs; torch: CUDA events "
+    "around back-to-back calls; warm-up excluded",
     "default_config": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE)),
+    "default_config_fp8": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE, FP8)),
   }
   rows, tuning = [], []
+  name = "decode_attention_tuning" if args.tune else "decode_attention"
 
   def save():
     """Writes what has been measured so far (a run cut short keeps its finished shapes)."""
-    (out_dir / "decode_attention.json").write_text(
+    meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+    (out_dir / f"{name}.json").write_text(
       json.dumps({"meta": meta, "rows": rows, "tuning": tuning}, indent=1)
     )
-    (out_dir / "decode_attention.md").write_text(render_markdown(meta, rows, tuning))
+    (out_dir / f"{name}.md").write_text(render_markdown(meta, rows, tuning))
 
-  everyone = {
-    "ours": time_ours,
-    "triton_per_row": time_triton_per_row,
-    "xla": time_xla,
-    "torch_sdpa": time_torch_sdpa,
-  }
-  batches = (1, 64) if args.quick else (1, 8, 64)
-  lengths = (8192,) if args.quick else (8192, 32768)
-  for b in batches:
-    for length in lengths:
-      contenders = dict(everyone)
-      if b * length > 8 * 32768:  # the XLA gather of f32 K/V would not fit next to the rest
-        del contenders["xla"]
-      rows += run_shape(rng, f"B{b} L{length // 1024}k", [length] * b, (1, 3, 7), contenders)
-      save()
-  ragged = rng.integers(1024, 32768 + 1, size=64)
-  contenders = {"ours": time_ours, "triton_per_row": time_triton_per_row}
-  rows += run_shape(rng, "B64 ragged 1k..32k", ragged, (1, 3, 7), contenders)
-  save()
-
+  meta["skipped"] = []
   if args.tune:
-    configs = [
-      TuningConfig(num_stages=s, block_kv=bk, num_chunks=c, balance_waves=w)
-      for s, bk, c, w in [
-        (2, 64, None, None),  # per-request chunks (the default before balance_waves)
-        (2, 64, 16, None),
-        (2, 64, None, 2),
-        (2, 64, None, 4),  # the default
-        (3, 64, None, 4),
-        (1, 128, None, 4),
-      ]
-    ]
-    for name, seq_lens, q_len in [
-      ("B64 L32k", [32768] * 64, 7),
-      ("B8 L32k", [32768] * 8, 1),
-      ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), 7),
-    ]:
-      batch = make_batch(rng, seq_lens)
-      queries = fresh_queries(rng, len(seq_lens), q_len, inner_count(batch.kv_bytes))
-      for config in configs:
-        entry = {"shape": name, "q_len": q_len, "config": dataclasses.asdict(config)}
-        try:
-          seconds = time_ours(batch, queries, config)
-          entry.update(us=seconds * 1e6, tbps=batch.kv_bytes / seconds / 1e12)
-        except Exception as error:
-          entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-        print("tune", entry, flush=True)
-        tuning.append(entry)
-      del batch
+    tune(rng, tuning, save, smoke=args.smoke)
+  else:
+    for shape in benchmark_shapes(rng, args.quick, version is not None, args.smoke):
+      if time.perf_counter() - started > args.time_budget:
+        meta["skipped"].append(f"{shape.section} {shape.name}")
+        continue
+      rows += run_shape(rng, shape, smoke=args.smoke)
       save()
-
+      print(f"[{time.perf_counter() - started:.0f} s]", flush=True)
+  save()
   print(render_markdown(meta, rows, tuning))
 
 
-def render_markdown(meta, rows, tuning):
-  def cell(entry):
-    return f"{entry['us']:.1f} us / {entry['tbps']:.2f}" if "us" in entry else "fails"
+def tune(rng, tuning, save, smoke=False):
+  """Our kernel under several tuning configs: the merge kernel where the KV is split, the
+  chunking and ring on three shapes, and the fp8 ring depth."""
+  configs = [
+    TuningConfig(num_stages=s, block_kv=bk, num_chunks=c, balance_waves=w)
+    for s, bk, c, w in [
+      (2, 64, None, None),  # per-request chunks (the default before balance_waves)
+      (2, 64, 16, None),
+      (2, 64, None, 2),
+      (2, 64, None, 4),  # the default
+      (3, 64, None, 4),
+      (1, 128, None, 4),
+    ]
+  ]
+  fp8_configs = [  # ring depth (3 is the default at D 128) and the fp8 register layout
+    *(TuningConfig(num_stages=s, balance_waves=4) for s in (2, 3, 4)),
+    TuningConfig(num_stages=3, balance_waves=4, fp8_8bit_layout=True),
+  ]
+  # The merge and row unpacking in one kernel (off by default) on shapes that split the KV.
+  default = default_config(HEAD_DIM, PAGE_SIZE)
+  merge = [default, dataclasses.replace(default, merge_kernel=True)]
+  sweeps = [
+    ("B1 L8k", [8192], 1, False, merge),
+    ("B1 L8k", [8192], 7, False, merge),
+    ("B8 L32k", [32768] * 8, 1, False, merge),
+    ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), 7, False, merge),
+    ("B64 L32k", [32768] * 64, 7, False, configs),
+    ("B8 L32k", [32768] * 8, 1, False, configs),
+    ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), 7, False, configs),
+    ("B64 L32k", [32768] * 64, 7, True, fp8_configs),
+  ]
+  if smoke:
+    sweeps = [("B2 L200", [200, 77], 3, False, merge), ("B2 L200", [200, 77], 3, True, configs[:1])]
+  timing = {"reps": 1, "warmup": 0} if smoke else {}
+  for name, seq_lens, q_len, fp8, sweep in sweeps:
+    batch = make_batch(rng, seq_lens, pad_to=8 if smoke else 128)
+    if fp8:
+      batch = to_fp8(batch)
+    count = 1 if smoke else inner_count(batch.kv_bytes)
+    queries = fresh_queries(rng, len(seq_lens), q_len, count)
+    for config in sweep:
+      entry = {
+        "shape": name + (" fp8" if fp8 else ""),
+        "q_len": q_len,
+        "config": dataclasses.asdict(config),
+      }
+      try:
+        seconds = time_ours(batch, queries, config, interpret=smoke, **timing)
+        entry.update(us=seconds * 1e6, tbps=batch.kv_bytes / seconds / 1e12)
+      except Exception as error:  # reported, not fatal
+        entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+      print("tune", entry, flush=True)
+      tuning.append(entry)
+    del batch
+    save()
 
-  def speedup(row, contender):
-    if "us" in row.get(contender, {}) and "us" in row["ours"]:
-      return f"{row[contender]['us'] / row['ours']['us']:.1f}x"
+
+def _cell(entry):
+  if entry is None:
     return "n/a"
+  return f"{entry['us']:.1f} us / {entry['tbps']:.2f}" if "us" in entry else "fails"
 
+
+def _ratio(row, slower, faster):
+  """How many times ``faster``'s time fits in ``slower``'s (> 1: ``faster`` is faster)."""
+  a, b = row.get(slower, {}), row.get(faster, {})
+  return f"{a['us'] / b['us']:.2f}x" if "us" in a and "us" in b else "n/a"
+
+
+def _number(value):
+  return "n/a" if value is None else f"{value:.3g}"
+
+
+def render_markdown(meta, rows, tuning):
   lines = [
     "# Paged decode attention (packed-row MTP) on one GPU",
     "",
-    f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}.",
+    f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}; "
+    f"FlashInfer: {meta['flashinfer']}.",
     f"Timing: {meta['timing']}. Effective bandwidth = unique KV bytes / time (TB/s); "
     f"share of the datasheet's {meta['datasheet_tbps']} TB/s; read ceiling measured in the "
     "same process: "
@@ -473,31 +801,100 @@ def render_markdown(meta, rows, tuning):
     ),
     "Ours runs its default tuning: "
     + ", ".join(f"{k}={v}" for k, v in meta.get("default_config", {}).items())
-    + ". Cells: time per call / effective TB/s; the last column is the largest difference "
-    "between our output and the XLA reference's on the first input, where that fits.",
-    "",
-    "| shape | q_len | ours | % of datasheet | Triton per row | XLA | torch SDPA "
-    "| vs Triton | vs XLA | vs torch | max abs diff vs XLA |",
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    + " (fp8 pages: num_stages="
+    + str(meta.get("default_config_fp8", {}).get("num_stages"))
+    + "). Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
+    "faster). 'diff vs XLA' is the largest |ours - XLA reference| on the first input over the "
+    f"first {XLA_CHECK_REQUESTS} requests; 'diff vs FlashInfer' over the whole first input.",
+    f"Whole run: {meta.get('elapsed_s', 0):.0f} s."
+    + (
+      f" Not run (time budget spent): {', '.join(skipped)}."
+      if (skipped := meta.get("skipped"))
+      else ""
+    ),
   ]
-  for row in rows:
-    ours = row["ours"]
-    share = f"{100 * ours['tbps'] / meta['datasheet_tbps']:.0f}%" if "us" in ours else "-"
-    others = [cell(row[c]) if c in row else "n/a" for c in ("triton_per_row", "xla", "torch_sdpa")]
-    lines.append(
-      f"| {row['shape']} | {row['q_len']} | {cell(ours)} | {share} | "
-      + " | ".join(others)
-      + f" | {speedup(row, 'triton_per_row')} | {speedup(row, 'xla')} "
-      f"| {speedup(row, 'torch_sdpa')} | {row.get('max_abs_diff_vs_xla', float('nan')):.3g} |"
-    )
-  lines += ["", "q_len 7 / q_len 1 time of ours:", ""]
+  base = [row for row in rows if row["section"] == "G8 D128"]
+  if base:
+    lines += [
+      "",
+      "## G 8, D 128: all contenders",
+      "",
+      "| shape | q_len | ours | % of datasheet | FlashInfer | Triton per row | XLA | torch SDPA "
+      "| vs FlashInfer | vs Triton | vs XLA | vs torch | diff vs XLA | diff vs FlashInfer |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in base:
+      ours = row["ours"]
+      share = f"{100 * ours['tbps'] / meta['datasheet_tbps']:.0f}%" if "us" in ours else "-"
+      contenders = ("flashinfer", "triton_per_row", "xla", "torch_sdpa")
+      cells = [_cell(row.get(c)) for c in contenders]
+      ratios = [_ratio(row, c, "ours") for c in contenders]
+      lines.append(
+        f"| {row['shape']} | {row['q_len']} | {_cell(ours)} | {share} | "
+        + " | ".join(cells + ratios)
+        + f" | {_number(row.get('max_abs_diff_vs_xla'))} "
+        f"| {_number(row.get('flashinfer', {}).get('max_abs_diff_vs_ours'))} |"
+      )
+  for section, title in (
+    ("GLM-4.5 G12", "GLM-4.5 head layout: G 12 (96 query / 8 KV heads), D 128"),
+    ("D64", "D 64, G 8"),
+  ):
+    section_rows = [row for row in rows if row["section"] == section]
+    if not section_rows:
+      continue
+    lines += [
+      "",
+      f"## {title}: ours and FlashInfer",
+      "",
+      "| shape | q_len | packed rows | ours | FlashInfer | vs FlashInfer | diff vs XLA "
+      "| diff vs FlashInfer |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in section_rows:
+      lines.append(
+        f"| {row['shape']} | {row['q_len']} | {row['G'] * row['q_len']} | {_cell(row['ours'])} "
+        f"| {_cell(row.get('flashinfer'))} | {_ratio(row, 'flashinfer', 'ours')} "
+        f"| {_number(row.get('max_abs_diff_vs_xla'))} "
+        f"| {_number(row.get('flashinfer', {}).get('max_abs_diff_vs_ours'))} |"
+      )
+  fp8_rows = [row for row in rows if row["section"] == "fp8 KV"]
+  if fp8_rows:
+    lines += [
+      "",
+      "## fp8 KV pages (e4m3, one scale per KV head): ours on the same values in bf16 and fp8",
+      "",
+      f"TB/s of each row counts its own pages' bytes (fp8: half). Target: bf16 / fp8 time "
+      f"at least {FP8_TARGET_RATIO}.",
+      "",
+      "| shape | q_len | ours bf16 | ours fp8 | bf16 / fp8 time | diff vs XLA bf16 "
+      "| diff vs XLA fp8 |",
+      "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in fp8_rows:
+      lines.append(
+        f"| {row['shape']} | {row['q_len']} | {_cell(row['ours'])} | {_cell(row.get('ours_fp8'))} "
+        f"| {_ratio(row, 'ours', 'ours_fp8')} | {_number(row.get('max_abs_diff_vs_xla'))} "
+        f"| {_number(row.get('max_abs_diff_vs_xla_fp8'))} |"
+      )
+  lines += ["", "Time of ours at the longest q_len / at q_len 1:", ""]
   by_shape = {}
   for row in rows:
     if "us" in row["ours"]:
-      by_shape.setdefault(row["shape"], {})[row["q_len"]] = row["ours"]["us"]
+      key = f"{row['shape']} (G {row['G']}, D {row['D']})"
+      by_shape.setdefault(key, {})[row["q_len"]] = row["ours"]["us"]
   for shape, times in by_shape.items():
-    if 1 in times and 7 in times:
-      lines.append(f"- {shape}: {times[7] / times[1]:.2f}")
+    if 1 in times and len(times) > 1:
+      longest = max(times)
+      lines.append(f"- {shape}: q_len {longest} / 1 = {times[longest] / times[1]:.2f}")
+  failures = [
+    (row["shape"], row["q_len"], name, entry["error"])
+    for row in rows
+    for name, entry in row.items()
+    if isinstance(entry, dict) and "error" in entry
+  ]
+  if failures:
+    lines += ["", "Contenders that failed:", ""]
+    lines += [f"- {shape} q_len {q}: {name}: {error}" for shape, q, name, error in failures]
   if tuning:
     lines += ["", "## Tuning sweep (ours)", "", "| shape | q_len | config | time | TB/s |"]
     lines.append("| --- | --- | --- | --- | --- |")

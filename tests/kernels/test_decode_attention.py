@@ -1,309 +1,708 @@
-"""Tests of paged multi-row decode attention against a float64 NumPy reference."""
+"""Paged multi-row decode attention: both paths against a float64 oracle, the host-side checks,
+the device-value contract and the one rule every path follows outside it, fp8 pages.
+
+Kernel cases run in GPU interpret mode with race detection on the CPU and natively on a GPU
+(the same cases, marked ``gpu``); ``decode_attention_inputs`` draws the inputs (NaN-poisoned
+unowned pages, shuffled page tables) and holds the oracle.
+"""
 
 import dataclasses
-import math
-import zlib
+import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+from decode_attention_inputs import (
+  FP8,
+  Inputs,
+  KernelCase,
+  case_params,
+  check,
+  make_inputs,
+  oracle,
+)
+from jax.experimental import checkify
+from races import races_found
 
-from jaxspec.kernels.decode_attention.api import paged_decode_attention
+from jaxspec.contracts import checked_jit
+from jaxspec.kernels import paged_decode_attention
+from jaxspec.kernels.decode_attention import api, mosaic_gpu
 from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig, default_config
 
-# Output tolerances per input dtype: the inputs are exact in that dtype (the
-# float64 reference reads the same rounded values), so the error comes from
-# rounding the probabilities / output to it (bf16: 8 mantissa bits).
-TOLERANCES = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
-
-
-def make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, spare_pages=3):
-  """Random inputs with a shuffled page pool; every page no request owns is NaN.
-
-  Block-table entries past a request's pages hold garbage ids (out of range or
-  pointing at NaN pages) so that a read beyond the length would show.
-  """
-  seq_lens = np.asarray(seq_lens, np.int32)
-  batch = len(seq_lens)
-  pages_needed = [math.ceil(s / page_size) for s in seq_lens]
-  max_pages = max(max(pages_needed), 1) + 1
-  num_pages = sum(pages_needed) + spare_pages
-  order = rng.permutation(num_pages)
-  block_tables = rng.integers(-5, num_pages + 5, size=(batch, max_pages)).astype(np.int32)
-  next_page = 0
-  for b, needed in enumerate(pages_needed):
-    block_tables[b, :needed] = order[next_page : next_page + needed]
-    next_page += needed
-  shape = (num_kv_heads, num_pages, page_size, head_dim)
-  k_pages = rng.standard_normal(shape).astype(np.float32)
-  v_pages = rng.standard_normal(shape).astype(np.float32)
-  unused = order[next_page:]
-  k_pages[:, unused] = np.nan
-  v_pages[:, unused] = np.nan
-  # Positions past each request's length inside its last page are NaN too.
-  for b, s in enumerate(seq_lens):
-    if s % page_size:
-      last = block_tables[b, pages_needed[b] - 1]
-      k_pages[:, last, s % page_size :] = np.nan
-      v_pages[:, last, s % page_size :] = np.nan
-  q = rng.standard_normal((batch, q_len, num_kv_heads * group, head_dim)).astype(np.float32)
-  return (
-    jnp.asarray(q, dtype),
-    jnp.asarray(k_pages, dtype),
-    jnp.asarray(v_pages, dtype),
-    jnp.asarray(block_tables),
-    jnp.asarray(seq_lens),
-  )
-
-
-def reference_float64(q, k_pages, v_pages, block_tables, seq_lens, sm_scale):
-  """Row-by-row float64 attention, written independently of the jnp reference."""
-  q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
-  block_tables, seq_lens = np.asarray(block_tables), np.asarray(seq_lens)
-  batch, q_len, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = k_pages.shape
-  group = num_q_heads // num_kv_heads
-  out = np.zeros(q.shape, np.float64)
-  for b in range(batch):
-    for j in range(q_len):
-      visible = seq_lens[b] - q_len + j + 1
-      if visible <= 0:
-        continue
-      pos = np.arange(visible)
-      pages = block_tables[b, pos // page_size]
-      for h in range(num_q_heads):
-        keys = k_pages[h // group, pages, pos % page_size]  # [visible, D]
-        values = v_pages[h // group, pages, pos % page_size]
-        scores = keys @ q[b, j, h] * sm_scale
-        probs = np.exp(scores - scores.max())
-        out[b, j, h] = probs @ values / probs.sum()
-  return out
-
-
-def check(out, q, k_pages, v_pages, block_tables, seq_lens, dtype):
-  assert out.shape == q.shape and out.dtype == q.dtype
-  expected = reference_float64(
-    q, k_pages, v_pages, block_tables, seq_lens, 1.0 / math.sqrt(q.shape[-1])
-  )
-  actual = np.asarray(out, np.float64)
-  assert np.all(np.isfinite(actual))
-  tol = TOLERANCES[dtype]
-  np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol)
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+ON_GPU_OR_INTERPRETED = [True, pytest.param(False, marks=pytest.mark.gpu)]
 
 
 XLA_CASES = [
-  # seq_lens, q_len, Hkv, G, D, page, dtype
-  ([1, 16, 17, 0], 1, 2, 1, 64, 16, jnp.float32),
-  ([40, 3, 1, 0, 64], 4, 1, 8, 64, 16, jnp.float32),
-  ([2, 33, 100], 8, 2, 3, 128, 32, jnp.bfloat16),
-  ([5, 64, 129], 7, 1, 12, 64, 64, jnp.float16),
+  KernelCase((1, 16, 17, 0), 1, 2, 1, 64, 16, F32),
+  KernelCase((40, 3, 1, 0, 64), 4, 1, 8, 64, 16, F32),
+  KernelCase((2, 33, 100), 8, 2, 3, 128, 32, BF16),
+  KernelCase((5, 64, 129), 7, 1, 12, 64, 64, F16),
+  KernelCase((30, 0, 77), 3, 2, 4, 64, 16, BF16, fp8=True),
+  KernelCase((1, 50), 2, 1, 2, 64, 16, F32, fp8=True),
 ]
 
 
-@pytest.mark.parametrize("case", XLA_CASES)
+@pytest.mark.parametrize("case", **case_params(XLA_CASES))
 def test_xla_matches_float64(case):
-  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype = case
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  out = jax.jit(paged_decode_attention, static_argnames=("impl",))(*args, impl="xla")
-  check(out, *args, dtype)
+  inputs = case.inputs()
+  out = jax.jit(functools.partial(paged_decode_attention, impl="xla"))(
+    *inputs.arrays, **inputs.scales
+  )
+  check(out, inputs)
 
 
-def test_sm_scale_is_used():
-  rng = np.random.default_rng(0)
-  args = make_case(rng, [9, 20], 2, 1, 2, 64, 16, jnp.float32)
-  default = paged_decode_attention(*args, impl="xla")
-  halved = paged_decode_attention(*args, sm_scale=0.5 / 8.0, impl="xla")
-  assert not np.allclose(default, halved)
-
-
-@pytest.mark.parametrize(
-  "mutate, message",
-  [
-    (lambda a: {**a, "q": a["q"][0]}, "q must be"),
-    (lambda a: {**a, "q": jnp.zeros((2, 9, 2, 64), jnp.float32)}, "q_len"),
-    (lambda a: {**a, "k_pages": a["k_pages"][..., :32]}, "k_pages"),
-    (lambda a: {**a, "v_pages": a["v_pages"][:, :1]}, "v_pages"),
-    (lambda a: {**a, "q": jnp.zeros((2, 1, 3, 64), jnp.float32)}, "multiple of Hkv"),
-    (lambda a: {**a, "block_tables": a["block_tables"][:1]}, "block_tables"),
-    (lambda a: {**a, "seq_lens": a["seq_lens"].astype(jnp.int16)}, "seq_lens"),
-    (lambda a: {**a, "k_pages": a["k_pages"].astype(jnp.bfloat16)}, "k_pages"),
-  ],
-)
-def test_bad_inputs_raise(mutate, message):
-  rng = np.random.default_rng(1)
-  names = ("q", "k_pages", "v_pages", "block_tables", "seq_lens")
-  args = dict(zip(names, make_case(rng, [9, 20], 1, 2, 1, 64, 16, jnp.float32), strict=True))
-  with pytest.raises(ValueError, match=message):
-    paged_decode_attention(**mutate(args), impl="xla")
-  with pytest.raises(ValueError, match="impl"):
-    paged_decode_attention(*make_case(rng, [3], 1, 1, 1, 64, 16, jnp.float32), impl="triton")
-
-
-# Interpret-mode cases of the Mosaic GPU kernel (small: the interpreter is slow).
-# Lengths hit 1, page and block boundaries, chunk boundaries, rows that see
-# nothing (S < q_len) and padding slots (S = 0).
+# Kernel cases (small: the interpreter is slow). Lengths hit 1, page and block boundaries,
+# chunk boundaries, rows that see nothing (S < q_len) and padding slots (S = 0).
 KERNEL_CASES = [
-  # seq_lens, q_len, Hkv, G, D, page, dtype, config
-  ([70, 3, 0, 1], 3, 1, 2, 64, 16, jnp.bfloat16, TuningConfig(num_stages=2, num_chunks=2)),
-  ([1, 64, 65, 130], 1, 2, 1, 128, 32, jnp.bfloat16, TuningConfig(num_stages=2, num_chunks=3)),
-  ([200, 5], 8, 1, 8, 64, 64, jnp.float16, TuningConfig(num_stages=3, num_chunks=1)),
-  ([129, 2, 7], 7, 1, 8, 128, 16, jnp.bfloat16, TuningConfig(num_stages=4, num_chunks=2)),
-  ([100, 6], 6, 1, 12, 64, 32, jnp.bfloat16, TuningConfig(block_kv=128, num_stages=2)),
-  ([64, 191], 2, 2, 4, 64, 16, jnp.float16, None),
+  KernelCase((70, 3, 0, 1), 3, 1, 2, 64, 16, BF16, TuningConfig(num_stages=2, num_chunks=2)),
+  KernelCase((1, 64, 65, 130), 1, 2, 1, 128, 32, BF16, TuningConfig(num_stages=2, num_chunks=3)),
+  KernelCase((200, 5), 8, 1, 8, 64, 64, F16, TuningConfig(num_stages=3, num_chunks=1)),
+  KernelCase((129, 2, 7), 7, 1, 8, 128, 16, BF16, TuningConfig(num_stages=4, num_chunks=2)),
+  KernelCase((100, 6), 6, 1, 12, 64, 32, BF16, TuningConfig(block_kv=128, num_stages=2)),
+  KernelCase((64, 191), 2, 2, 4, 64, 16, F16),
 ]
 
-
-@pytest.mark.parametrize("case", KERNEL_CASES)
-def test_kernel_interpret_matches_float64(case):
-  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  out = paged_decode_attention(*args, impl="pallas", interpret=True, config=config)
-  check(out, *args, dtype)
-  assert not get_races().races_found
-
-
-# More than 64 packed rows (G * q_len > 64) as one 128-row tile of two
-# warpgroups sharing each K/V block. Lengths cross chunk boundaries (200 over
-# 2 chunks of 64-position blocks), need ring refills (num_stages below the
-# blocks per chunk), and include rows that see nothing and padding slots.
+# More than 64 packed rows (G * q_len > 64) as one 128-row tile of two warpgroups sharing each
+# K/V block. Lengths cross chunk boundaries (200 over 2 chunks of 64-position blocks), need ring
+# refills (num_stages below the blocks per chunk), and include rows that see nothing and padding.
 TWO_WARPGROUP_CASES = [
-  # seq_lens, q_len, Hkv, G, D, page, dtype, config
-  ([200, 4, 0, 65], 6, 1, 12, 64, 16, jnp.bfloat16, TuningConfig(num_stages=1, num_chunks=2)),
-  ([129, 6, 1], 7, 1, 12, 128, 32, jnp.float16, TuningConfig(num_stages=2, num_chunks=1)),
-  ([250, 3, 64], 5, 1, 16, 128, 16, jnp.bfloat16, TuningConfig(num_stages=1, num_chunks=3)),
-  ([190, 7, 0], 8, 2, 16, 64, 64, jnp.bfloat16, TuningConfig(block_kv=128, num_stages=2)),
+  KernelCase(
+    seq_lens, q_len, hkv, g, d, page, dtype, dataclasses.replace(cfg, two_warpgroup_tiles=True)
+  )
+  for seq_lens, q_len, hkv, g, d, page, dtype, cfg in [
+    ((200, 4, 0, 65), 6, 1, 12, 64, 16, BF16, TuningConfig(num_stages=1, num_chunks=2)),
+    ((129, 6, 1), 7, 1, 12, 128, 32, F16, TuningConfig(num_stages=2, num_chunks=1)),
+    ((250, 3, 64), 5, 1, 16, 128, 16, BF16, TuningConfig(num_stages=1, num_chunks=3)),
+    ((190, 7, 0), 8, 2, 16, 64, 64, BF16, TuningConfig(block_kv=128, num_stages=2)),
+  ]
 ]
 
-
-def _two_warpgroups(config):
-  return dataclasses.replace(config, two_warpgroup_tiles=True)
-
-
-@pytest.mark.parametrize("case", TWO_WARPGROUP_CASES)
-def test_two_warpgroup_tile_interpret_matches_float64(case):
-  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  out = paged_decode_attention(*args, impl="pallas", interpret=True, config=_two_warpgroups(config))
-  check(out, *args, dtype)
-  assert not get_races().races_found
-
-
-# One chunk length for the whole batch (TuningConfig.balance_waves). The plan
-# aims at `balance_waves x slots` items per (KV head, row tile); with 1 SM in
-# place of 132 the tiny batches below already exceed that, so the common
-# length decides: long requests get several chunks, short ones one, and the
-# static grid's spare items (loading and storing nothing) must not leak NaN
-# from their unwritten output tiles into the merge.
+# One chunk length for the whole batch (TuningConfig.balance_waves). The plan aims at
+# `balance_waves x slots` items per (KV head, row tile); with 1 SM in place of 132 the tiny
+# batches below already exceed that, so the common length decides: long requests get several
+# chunks, short ones one, and the static grid's spare items (loading and storing nothing) must
+# not leak NaN from their unwritten output tiles into the merge.
 BALANCED_CASES = [
-  # seq_lens, q_len, Hkv, G, D, page, dtype, config
-  ([300, 5, 0, 70], 3, 1, 8, 64, 16, jnp.bfloat16, TuningConfig(num_stages=2, balance_waves=1)),
-  ([200, 1, 129], 7, 2, 4, 128, 32, jnp.float16, TuningConfig(num_stages=1, balance_waves=2)),
-  (
-    [260, 64, 2],
+  KernelCase(
+    (300, 5, 0, 70), 3, 1, 8, 64, 16, BF16, TuningConfig(num_stages=2, balance_waves=1, num_sms=1)
+  ),
+  KernelCase(
+    (200, 1, 129), 7, 2, 4, 128, 32, F16, TuningConfig(num_stages=1, balance_waves=2, num_sms=1)
+  ),
+  KernelCase(
+    (260, 64, 2),
     6,
     1,
     12,
     64,
     16,
-    jnp.bfloat16,
-    TuningConfig(num_stages=2, num_chunks=3, balance_waves=1, two_warpgroup_tiles=True),
+    BF16,
+    TuningConfig(num_stages=2, num_chunks=3, balance_waves=1, two_warpgroup_tiles=True, num_sms=1),
+  ),
+]
+
+# fp8 pages: TMA reads the fp8 blocks, the kernel converts them into 16-bit staging blocks.
+# Chunking, ring refills, two 64-row tiles (G 12, q_len 6), 128-position blocks, both q dtypes.
+FP8_CASES = [
+  KernelCase(
+    (70, 3, 0, 1), 3, 1, 2, 64, 16, BF16, TuningConfig(num_stages=2, num_chunks=2), fp8=True
+  ),
+  KernelCase(
+    (1, 64, 65, 130), 1, 2, 1, 128, 32, F16, TuningConfig(num_stages=2, num_chunks=3), fp8=True
+  ),
+  KernelCase((129, 2, 7), 7, 1, 8, 128, 16, BF16, fp8=True),
+  KernelCase(
+    (200, 5, 0, 70),
+    6,
+    1,
+    12,
+    64,
+    16,
+    BF16,
+    TuningConfig(num_stages=1, balance_waves=1, num_sms=1),
+    fp8=True,
+  ),
+  KernelCase((100, 6), 4, 1, 8, 64, 64, F16, TuningConfig(block_kv=128, num_stages=2), fp8=True),
+  KernelCase(
+    (130, 3, 64),
+    5,
+    1,
+    4,
+    128,
+    32,
+    BF16,
+    TuningConfig(num_stages=2, num_chunks=2, fp8_8bit_layout=True),
+    fp8=True,
+  ),
+  KernelCase(
+    (70, 1), 2, 2, 8, 64, 16, F16, TuningConfig(num_stages=1, fp8_8bit_layout=True), fp8=True
   ),
 ]
 
 
-@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("case", BALANCED_CASES)
-def test_balanced_chunks_match_float64(case, interpret):
-  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
-  config = dataclasses.replace(config, num_sms=1)
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  out = paged_decode_attention(*args, impl="pallas", interpret=interpret, config=config)
-  check(out, *args, dtype)
-  assert not (interpret and get_races().races_found)
+# The split-KV merge and row unpacking in one Mosaic GPU kernel (TuningConfig.merge_kernel):
+# spare grid items with unwritten tiles, tokens whose rows straddle two tiles (G 12, q_len 6),
+# fp8 pages.
+MERGE_KERNEL_CASES = [
+  KernelCase(
+    (200, 5, 0, 70),
+    6,
+    1,
+    12,
+    64,
+    16,
+    BF16,
+    TuningConfig(num_stages=2, balance_waves=1, num_sms=1, merge_kernel=True),
+  ),
+  KernelCase(
+    (129, 2, 7), 3, 2, 3, 128, 16, F16, TuningConfig(num_chunks=3, merge_kernel=True), fp8=True
+  ),
+]
+
+
+@pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
+@pytest.mark.parametrize(
+  "case",
+  **case_params(
+    KERNEL_CASES + TWO_WARPGROUP_CASES + BALANCED_CASES + FP8_CASES + MERGE_KERNEL_CASES
+  ),
+)
+def test_kernel_matches_float64(case, interpret):
+  inputs = case.inputs()
+  out = paged_decode_attention(
+    *inputs.arrays, impl="pallas", interpret=interpret, config=case.config, **inputs.scales
+  )
+  check(out, inputs)
+  assert not (interpret and races_found())
+
+
+@pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
+@pytest.mark.parametrize(
+  "q_len, group, head_dim, dtype, num_chunks",
+  [(6, 12, 64, BF16, 3), (1, 1, 128, F16, 2), (5, 3, 128, BF16, 4), (8, 16, 64, BF16, 2)],
+)
+def test_merge_kernel_matches_the_xla_merge(q_len, group, head_dim, dtype, num_chunks, interpret):
+  """Random chunk partials; some chunks saw nothing (lse -inf, NaN tiles), one row saw nothing
+  in any chunk. The kernel's merged and unpacked rows equal XLA's merge and unpacking."""
+  batch, num_kv_heads, num_rows = 2, 2, q_len * group
+  padded_rows = -(-num_rows // 64) * 64
+  rng = np.random.default_rng(num_rows + num_chunks)
+  shape = (batch, num_chunks, num_kv_heads, padded_rows)
+  lse = rng.uniform(-6.0, 6.0, shape).astype(np.float32)
+  empty = rng.random(shape) < 0.3
+  empty[1, :, 0, 5] = True  # request 1, KV head 0, row 5: no chunk saw anything
+  lse[empty] = -np.inf
+  tiles = rng.standard_normal((*shape, head_dim)).astype(np.float32)
+  tiles[empty] = np.nan  # unwritten tiles of chunks that saw nothing
+  tiles, lse = jnp.asarray(tiles, dtype), jnp.asarray(lse)
+  merged = mosaic_gpu.merge_chunks(tiles, lse)[:, :, :num_rows]  # [B, Hkv, rows, D]
+  merged = merged.reshape(batch, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+  expected = merged.reshape(batch, q_len, num_kv_heads * group, head_dim)
+  out = mosaic_gpu.merge_chunks_mosaic_gpu(
+    tiles.reshape(batch * num_chunks, num_kv_heads, padded_rows, head_dim),
+    lse.reshape(batch * num_chunks, num_kv_heads, padded_rows),
+    num_chunks=num_chunks,
+    q_len=q_len,
+    group=group,
+    interpret=interpret,
+  )
+  assert not (interpret and races_found())
+  chex.assert_shape(out, expected.shape)
+  chex.assert_type(out, dtype)
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  tol = 2e-2 if dtype == BF16 else 4e-3
+  chex.assert_trees_all_close(out.astype(F32), expected.astype(F32), atol=tol, rtol=tol)
+
+
+def test_sm_scale_is_used():
+  inputs = make_inputs(np.random.default_rng(0), [9, 20], 2, 1, 2, 64, 16, F32)
+  halved = paged_decode_attention(*inputs.arrays, sm_scale=0.5 / 8.0, impl="xla")
+  check(halved, inputs, sm_scale=0.5 / 8.0)
+  default = paged_decode_attention(*inputs.arrays, impl="xla")
+  assert not np.allclose(default, halved)
 
 
 def test_chunk_merge_is_deterministic_and_split_invariant():
-  rng = np.random.default_rng(7)
-  args = make_case(rng, [190, 33], 2, 1, 8, 64, 16, jnp.bfloat16)
-  one = paged_decode_attention(*args, impl="pallas", interpret=True, config=TuningConfig())
-  three = paged_decode_attention(
-    *args, impl="pallas", interpret=True, config=TuningConfig(num_chunks=3)
-  )
-  again = paged_decode_attention(
-    *args, impl="pallas", interpret=True, config=TuningConfig(num_chunks=3)
-  )
+  inputs = make_inputs(np.random.default_rng(7), [190, 33], 2, 1, 8, 64, 16, BF16)
+  run = functools.partial(paged_decode_attention, *inputs.arrays, impl="pallas", interpret=True)
+  one = run(config=TuningConfig())
+  three = run(config=TuningConfig(num_chunks=3))
+  again = run(config=TuningConfig(num_chunks=3))
   np.testing.assert_array_equal(np.asarray(three), np.asarray(again))
-  np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(three, np.float32), atol=2e-2)
+  chex.assert_trees_all_close(one.astype(F32), three.astype(F32), atol=2e-2)
 
 
 def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
   rng = np.random.default_rng(3)
-  args = make_case(rng, [9, 20], 2, 1, 2, 64, 16, jnp.float32)
+  inputs = make_inputs(rng, [9, 20], 2, 1, 2, 64, 16, F32)
   with pytest.raises(ValueError, match="bf16 or fp16"):
-    paged_decode_attention(*args, impl="pallas", interpret=True)
-  check(paged_decode_attention(*args, impl="auto", interpret=True), *args, jnp.float32)
-  args = make_case(rng, [9, 20], 2, 1, 2, 96, 16, jnp.bfloat16)
+    paged_decode_attention(*inputs.arrays, impl="pallas", interpret=True)
+  check(paged_decode_attention(*inputs.arrays, impl="auto", interpret=True), inputs)
+  inputs = make_inputs(rng, [9, 20], 2, 1, 2, 96, 16, BF16)
   with pytest.raises(ValueError, match="head dim"):
-    paged_decode_attention(*args, impl="pallas", interpret=True)
-  with pytest.raises(ValueError, match="block_kv"):
-    TuningConfig(block_kv=96)
-  with pytest.raises(ValueError, match="two_warpgroup_tiles"):
-    TuningConfig(two_warpgroup_tiles=1)
-  with pytest.raises(ValueError, match="balance_waves"):
-    TuningConfig(balance_waves=0)
+    paged_decode_attention(*inputs.arrays, impl="pallas", interpret=True)
+  # fp8 pages with more than 64 rows: 64-row tiles serve them, the two-warpgroup tile does not.
+  inputs = make_inputs(rng, [9, 20], 6, 1, 12, 64, 16, BF16, fp8=True)
+  config = TuningConfig(two_warpgroup_tiles=True)
+  with pytest.raises(ValueError, match="two_warpgroup_tiles does not serve fp8"):
+    paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
+  out = paged_decode_attention(
+    *inputs.arrays, impl="auto", interpret=True, config=config, **inputs.scales
+  )
+  check(out, inputs)
+
+
+@pytest.mark.parametrize(
+  "field, value",
+  [
+    ("block_kv", 96),
+    ("num_stages", 0),
+    ("num_chunks", 0),
+    ("two_warpgroup_tiles", 1),
+    ("balance_waves", 0),
+    ("num_sms", 0),
+    ("merge_kernel", 1),
+    ("fp8_8bit_layout", None),
+  ],
+)
+def test_tuning_config_is_validated(field, value):
+  with pytest.raises(ValueError, match=field):
+    TuningConfig(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side checks: every wrong type, shape, dtype or value is a TypeError / ValueError naming
+# the argument, raised before any device work.
+
+
+def _host_args():
+  inputs = make_inputs(np.random.default_rng(1), [9, 20], 1, 2, 1, 64, 16, F32)
+  return inputs._asdict() | {"k_scale": None, "v_scale": None}
+
+
+def _pages(shape, dtype=F32):
+  return {"k_pages": jnp.zeros(shape, dtype), "v_pages": jnp.zeros(shape, dtype)}
+
+
+BAD_ARGUMENTS = [
+  # id, changes to the valid arguments (a function of them), error type, message pattern
+  ("q rank 3", lambda a: {"q": a["q"][0]}, ValueError, r"q must be \[B, q_len, Hq, D\]"),
+  ("q list", lambda a: {"q": a["q"].tolist()}, TypeError, "q must be a jax.Array"),
+  ("q_len 9", lambda a: {"q": jnp.zeros((2, 9, 2, 64))}, ValueError, "q_len .* 1..8, got 9"),
+  ("q_len 0", lambda a: {"q": jnp.zeros((2, 0, 2, 64))}, ValueError, "q_len .* 1..8, got 0"),
+  ("Hq 0", lambda a: {"q": jnp.zeros((2, 1, 0, 64))}, ValueError, "q must be .* Hq >= 1"),
+  ("D 0", lambda a: {"q": jnp.zeros((2, 1, 2, 0))}, ValueError, "q must be .* D >= 1"),
+  ("q int32", lambda a: {"q": a["q"].astype(jnp.int32)}, ValueError, "q must be bf16, fp16"),
+  ("D mismatch", lambda a: {"k_pages": a["k_pages"][..., :32]}, ValueError, "k_pages .*D=64"),
+  ("k_pages rank", lambda a: {"k_pages": a["k_pages"][0]}, ValueError, "k_pages must be"),
+  ("Hkv 0", lambda a: _pages((0, 5, 16, 64)), ValueError, "k_pages .* Hkv >= 1"),
+  ("no pages", lambda a: _pages((2, 0, 16, 64)), ValueError, "k_pages .* num_pages >= 1"),
+  ("page_size 0", lambda a: _pages((2, 5, 0, 64)), ValueError, "k_pages .* page_size >= 1"),
+  ("v_pages shape", lambda a: {"v_pages": a["v_pages"][:, :1]}, ValueError, "v_pages must have"),
+  ("v_pages array", lambda a: {"v_pages": 1.0}, TypeError, "v_pages must be a jax.Array"),
+  ("Hq % Hkv", lambda a: {"q": jnp.zeros((2, 1, 3, 64))}, ValueError, "multiple of Hkv=2"),
+  ("k_pages bf16", lambda a: {"k_pages": a["k_pages"].astype(BF16)}, ValueError, "k_pages must"),
+  ("v fp8, k f32", lambda a: {"v_pages": a["v_pages"].astype(FP8)}, ValueError, "v_pages must"),
+  ("block_tables B", lambda a: {"block_tables": a["block_tables"][:1]}, ValueError, r"\[B=2"),
+  (
+    "empty block table",
+    lambda a: {"block_tables": a["block_tables"][:, :0]},
+    ValueError,
+    "max_pages_per_req >= 1",
+  ),
+  (
+    "block_tables int64",
+    lambda a: {"block_tables": np.asarray(a["block_tables"], np.int64)},
+    ValueError,
+    "block_tables must be int32, got int64",
+  ),
+  ("seq_lens int16", lambda a: {"seq_lens": a["seq_lens"].astype(jnp.int16)}, ValueError, "int32"),
+  (
+    "seq_lens rank",
+    lambda a: {"seq_lens": a["seq_lens"][:, None]},
+    ValueError,
+    r"seq_lens must be int32 \[B=2\]",
+  ),
+  ("seq_lens list", lambda a: {"seq_lens": [9, 20]}, TypeError, "seq_lens must be a jax.Array"),
+  (
+    "capacity past int32",  # numpy zeros are lazy: no memory is touched
+    lambda a: {
+      "k_pages": np.zeros((2, 1, 2**16, 64), np.float32),
+      "v_pages": np.zeros((2, 1, 2**16, 64), np.float32),
+      "block_tables": np.zeros((2, 2**15), np.int32),
+    },
+    ValueError,
+    "capacity .* must be at most",
+  ),
+  ("sm_scale str", lambda a: {"sm_scale": "0.1"}, TypeError, "sm_scale must be a Python float"),
+  ("sm_scale bool", lambda a: {"sm_scale": True}, TypeError, "sm_scale must be a Python float"),
+  ("sm_scale array", lambda a: {"sm_scale": jnp.float32(0.1)}, TypeError, "sm_scale must be"),
+  ("sm_scale nan", lambda a: {"sm_scale": float("nan")}, ValueError, "sm_scale must be finite"),
+  ("sm_scale inf", lambda a: {"sm_scale": float("inf")}, ValueError, "sm_scale must be finite"),
+  ("sm_scale 0", lambda a: {"sm_scale": 0.0}, ValueError, "sm_scale must be finite and positive"),
+  ("sm_scale < 0", lambda a: {"sm_scale": -0.1}, ValueError, "sm_scale must be finite and pos"),
+  ("impl bool", lambda a: {"impl": True}, TypeError, "impl must be a str"),
+  ("impl name", lambda a: {"impl": "triton"}, ValueError, "impl must be one of"),
+  ("interpret str", lambda a: {"interpret": "yes"}, TypeError, "interpret must be a bool"),
+  ("config dict", lambda a: {"config": {"num_stages": 2}}, TypeError, "config must be"),
+  ("k_scale bf16 pages", lambda a: {"k_scale": 0.5}, ValueError, "k_scale applies to float8"),
+]
+
+
+@pytest.fixture
+def no_device_work(monkeypatch):
+  """Fails the test if the call gets past the host-side checks (to the contract or a backend)."""
+
+  def reached(*_, **__):
+    raise AssertionError("the call got past the host-side checks")
+
+  monkeypatch.setattr(api, "_require_device_contract", reached)
+  monkeypatch.setattr(api, "OP", dataclasses.replace(api.OP, reference=reached, kernel=reached))
+
+
+@pytest.mark.parametrize(
+  "change, error, message",
+  [pytest.param(*case[1:], id=case[0]) for case in BAD_ARGUMENTS],
+)
+def test_bad_host_arguments_raise_before_device_work(change, error, message, no_device_work):
+  args = _host_args()
+  args.update(change(args))
+  with pytest.raises(error, match=message):
+    paged_decode_attention(**args)
+
+
+FP8_BAD_SCALES = [
+  ("k_scale str", {"k_scale": "1"}, TypeError, "k_scale must be a Python float"),
+  ("v_scale nan", {"v_scale": float("nan")}, ValueError, "v_scale must be finite and positive"),
+  ("k_scale 0", {"k_scale": 0.0}, ValueError, "k_scale must be finite and positive"),
+  ("k_scale [Hkv+1]", {"k_scale": jnp.ones((3,))}, ValueError, r"float32 \[Hkv=2\]"),
+  ("v_scale bf16", {"v_scale": jnp.ones((2,), BF16)}, ValueError, r"float32 \[Hkv=2\]"),
+  ("k_scale list", {"k_scale": [1.0, 1.0]}, TypeError, "k_scale must be a Python float"),
+]
+
+
+@pytest.mark.parametrize(
+  "scales, error, message", [pytest.param(*case[1:], id=case[0]) for case in FP8_BAD_SCALES]
+)
+def test_bad_fp8_scales_raise_before_device_work(scales, error, message, no_device_work):
+  args = _host_args()
+  args["k_pages"], args["v_pages"] = args["k_pages"].astype(FP8), args["v_pages"].astype(FP8)
+  with pytest.raises(error, match=message):
+    paged_decode_attention(**(args | scales))
+
+
+def test_fp8_scale_arrays_must_be_finite_and_positive():
+  inputs = make_inputs(np.random.default_rng(2), [9, 20], 1, 2, 1, 64, 16, BF16, fp8=True)
+  bad = inputs.k_scale.at[1].set(jnp.nan)
+  with pytest.raises(ValueError, match="k_scale must be finite and positive for every KV head"):
+    paged_decode_attention(*inputs.arrays, k_scale=bad, v_scale=inputs.v_scale, impl="xla")
+  checked = checked_jit(functools.partial(paged_decode_attention, impl="xla"))
+  with pytest.raises(checkify.JaxRuntimeError, match="v_scale must be finite and positive"):
+    checked(*inputs.arrays, k_scale=inputs.k_scale, v_scale=-inputs.v_scale)
+
+
+@pytest.mark.parametrize("impl, interpret", [("xla", False), ("pallas", True)])
+def test_empty_batch_returns_an_empty_result(impl, interpret):
+  inputs = make_inputs(np.random.default_rng(4), [], 3, 2, 4, 64, 16, BF16)
+  call = functools.partial(paged_decode_attention, impl=impl, interpret=interpret)
+  for out in (call(*inputs.arrays), jax.jit(call)(*inputs.arrays)):
+    chex.assert_shape(out, (0, 3, 8, 64))
+    chex.assert_type(out, BF16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The device-value contract: 0 <= seq_lens[b] <= capacity; page ids inside the length in the
+# pool. A concrete breach raises at once; under jit only checked mode checks; outside the
+# contract every path follows the same rule (no page the table does not name is read).
+
+
+def _contract_inputs(fp8=False, q_len=2, group=2) -> Inputs:
+  """Two requests with 3 pages of 16 each (capacity 48) in a pool of 8 pages, 2 of them NaN."""
+  inputs = make_inputs(np.random.default_rng(5), [40, 20], q_len, 1, group, 64, 16, BF16, fp8=fp8)
+  k_pages = jnp.full((1, 8, 16, 64), jnp.nan, inputs.k_pages.dtype)
+  v_pages = jnp.full((1, 8, 16, 64), jnp.nan, inputs.v_pages.dtype)
+  rng = np.random.default_rng(6)
+  owned = jnp.asarray(rng.standard_normal((2, 1, 6, 16, 64)) * (20 if fp8 else 1))
+  k_pages = k_pages.at[:, :6].set(owned[0].astype(k_pages.dtype))
+  v_pages = v_pages.at[:, :6].set(owned[1].astype(v_pages.dtype))
+  tables = jnp.asarray([[4, 0, 2], [5, 1, 3]], jnp.int32)
+  return inputs._replace(k_pages=k_pages, v_pages=v_pages, block_tables=tables)
+
+
+def _with(inputs: Inputs, seq_lens=None, tables=None) -> Inputs:
+  seq_lens = inputs.seq_lens if seq_lens is None else jnp.asarray(seq_lens, jnp.int32)
+  tables = inputs.block_tables if tables is None else jnp.asarray(tables, jnp.int32)
+  return inputs._replace(seq_lens=seq_lens, block_tables=tables)
+
+
+CONTRACT_BREACHES = [
+  (
+    "length past capacity",
+    {"seq_lens": [40, 60]},
+    r"seq_lens\[1\] = 60 exceeds the block table's capacity 48 \(3 pages of 16\)",
+  ),
+  ("negative length", {"seq_lens": [-1, 20]}, r"seq_lens\[0\] = -1 is negative"),
+  (
+    "page id past the pool",
+    {"tables": [[4, 0, 99], [5, 1, 3]]},
+    r"block_tables\[0, 2\] = 99 is not a page id in \[0, 8\), but request 0 uses page 2",
+  ),
+  (
+    "negative page id",
+    {"tables": [[4, 0, 2], [-1, 1, 3]]},
+    r"block_tables\[1, 0\] = -1 is not a page id in \[0, 8\)",
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "breach, message", [pytest.param(*case[1:], id=case[0]) for case in CONTRACT_BREACHES]
+)
+def test_contract_breach_raises_eagerly_and_in_checked_mode(breach, message):
+  inputs = _with(_contract_inputs(), **breach)
+  with pytest.raises(ValueError, match=message):
+    paged_decode_attention(*inputs.arrays, impl="xla")
+  # Under a plain jit nothing is checked (the rule below applies); checked mode raises.
+  jax.jit(functools.partial(paged_decode_attention, impl="xla"))(*inputs.arrays)
+  checked = checked_jit(functools.partial(paged_decode_attention, impl="xla"))
+  with pytest.raises(checkify.JaxRuntimeError, match="seq_lens must be|block_tables: every"):
+    checked(*inputs.arrays)
+
+
+def test_entries_past_a_requests_pages_may_hold_anything():
+  inputs = _contract_inputs()
+  garbage = _with(inputs, tables=[[4, 0, 2], [5, 1, 99]])  # request 1 (20) uses 2 pages
+  check(paged_decode_attention(*garbage.arrays, impl="xla"), garbage)
+  checked = checked_jit(functools.partial(paged_decode_attention, impl="xla"))
+  check(checked(*garbage.arrays), garbage)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit-kv", "fp8-kv"])
+def test_nan_a_row_sees_reaches_its_output_on_every_path(fp8):
+  """NaN inside a request's length is data, not padding: both paths return NaN for the rows
+  that see it (the kernel must not take a NaN softmax sum for a row that saw nothing)."""
+  inputs = _contract_inputs(fp8=fp8)
+  k_pages = inputs.k_pages.at[0, 0, 5].set(jnp.nan)  # request 0's page 1, position 21
+  inputs = inputs._replace(k_pages=k_pages)
+  for impl in ("xla", "pallas"):
+    out = paged_decode_attention(*inputs.arrays, impl=impl, interpret=True, **inputs.scales)
+    out = np.asarray(out, np.float32)
+    assert np.all(np.isnan(out[0])), impl  # request 0 (40 positions) sees position 21
+    assert np.all(np.isfinite(out[1])), impl
+
+
+# Requests of one batch, each breaching the contract its own way; one request stays inside.
+OUT_OF_CONTRACT = {
+  "inside the contract": (40, [4, 0, 2]),
+  "length past the capacity (positions 48.. unseen)": (60, [5, 1, 3]),
+  "length 2**31 - 1": (2**31 - 1, [1, 5, 3]),
+  "negative length (sees nothing)": (-7, [2, 3, 4]),
+  "page id past the pool (its positions unseen)": (40, [4, 99, 2]),
+  "negative page ids (their positions unseen)": (45, [-1, 0, -3]),
+  "no page in the pool (sees nothing)": (30, [-1, 8, 1000]),
+}
+
+
+@pytest.mark.parametrize(
+  "fp8, q_len, group, config",
+  [
+    pytest.param(False, 2, 2, None, id="bf16-default-config"),
+    pytest.param(True, 3, 2, TuningConfig(num_stages=2, num_chunks=2), id="fp8-two-chunks"),
+    pytest.param(
+      False, 6, 12, TuningConfig(num_stages=1, two_warpgroup_tiles=True), id="two-warpgroups"
+    ),
+  ],
+)
+def test_out_of_contract_inputs_give_the_same_result_on_every_path(fp8, q_len, group, config):
+  base = _contract_inputs(fp8=fp8, q_len=q_len, group=group)
+  rng = np.random.default_rng(8)
+  names = list(OUT_OF_CONTRACT)
+  order = rng.permutation(len(names))
+  names = [names[i] for i in order]
+  inputs = _with(
+    make_inputs(rng, [1] * len(names), q_len, 1, group, 64, 16, BF16, fp8=fp8)._replace(
+      k_pages=base.k_pages, v_pages=base.v_pages, k_scale=base.k_scale, v_scale=base.v_scale
+    ),
+    seq_lens=[OUT_OF_CONTRACT[name][0] for name in names],
+    tables=[OUT_OF_CONTRACT[name][1] for name in names],
+  )
+  with pytest.raises(ValueError):  # eager calls refuse the batch
+    paged_decode_attention(*inputs.arrays, impl="xla", **inputs.scales)
+  outputs = {
+    impl: jax.jit(
+      functools.partial(
+        paged_decode_attention, impl=impl, interpret=impl == "pallas", config=config
+      )
+    )(*inputs.arrays, **inputs.scales)
+    for impl in ("xla", "pallas")
+  }
+  assert not races_found()
+  expected = oracle(inputs, 1 / 8.0)
+  for impl, out in outputs.items():
+    actual = np.asarray(out.astype(F32), np.float64)
+    for b, name in enumerate(names):
+      np.testing.assert_allclose(
+        actual[b], expected[b], rtol=2e-2, atol=2e-2, err_msg=f"{impl}, request {b}: {name}"
+      )
+  np.testing.assert_allclose(
+    np.asarray(outputs["xla"], np.float32), np.asarray(outputs["pallas"], np.float32), atol=2e-2
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 pages.
+
+
+def test_fp8_scale_float_equals_scale_array_and_arrays_are_traced():
+  inputs = make_inputs(np.random.default_rng(9), [33, 7], 2, 2, 2, 64, 16, BF16, fp8=True)
+  as_floats = {"k_scale": 0.03, "v_scale": 0.02}
+  as_arrays = {name: jnp.full((2,), value, F32) for name, value in as_floats.items()}
+  expected = oracle(inputs._replace(**as_arrays), 1 / 8.0)
+  for impl in ("xla", "pallas"):
+    call = functools.partial(paged_decode_attention, impl=impl, interpret=True)
+    floats, arrays = call(*inputs.arrays, **as_floats), call(*inputs.arrays, **as_arrays)
+    np.testing.assert_array_equal(np.asarray(floats, F32), np.asarray(arrays, F32))
+    chex.assert_trees_all_close(np.asarray(floats, np.float64), expected, rtol=2e-2, atol=2e-2)
+  traces = []
+
+  @jax.jit
+  def attend(k_scale, v_scale):
+    traces.append(1)
+    return paged_decode_attention(*inputs.arrays, impl="xla", k_scale=k_scale, v_scale=v_scale)
+
+  check(attend(inputs.k_scale, inputs.v_scale), inputs)
+  check(attend(2 * inputs.k_scale, inputs.v_scale), inputs._replace(k_scale=2 * inputs.k_scale))
+  assert len(traces) == 1, "a new scale array must not retrace"
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Mosaic GPU lowering, without a GPU: interpret mode is more permissive.
+
+LOWERING_CASES = [
+  # id, (B, q_len, Hq, D), (Hkv, num_pages, page, D), max_pages, q dtype, pages' dtype, config
+  ("bf16 G8 q7", (4, 7, 16, 128), (2, 64, 16, 128), 16, BF16, BF16, None),
+  ("f16 G12 q6 two tiles", (2, 6, 24, 64), (2, 32, 64, 64), 4, F16, F16, None),
+  (
+    "bf16 two warpgroups",
+    (2, 7, 12, 128),
+    (1, 64, 16, 128),
+    16,
+    BF16,
+    BF16,
+    TuningConfig(two_warpgroup_tiles=True, num_stages=2),
+  ),
+  ("fp8 bf16 D128 G8 q3", (4, 3, 16, 128), (2, 64, 16, 128), 16, BF16, FP8, None),
+  ("fp8 f16 D64 q1", (3, 1, 8, 64), (1, 64, 32, 64), 8, F16, FP8, TuningConfig(num_chunks=3)),
+  (
+    "bf16 G12 q6 merge kernel",
+    (2, 6, 24, 64),
+    (2, 32, 16, 64),
+    8,
+    BF16,
+    BF16,
+    TuningConfig(num_chunks=3, merge_kernel=True),
+  ),
+  (
+    "fp8 f16 D128 q3 merge kernel",
+    (3, 3, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    F16,
+    FP8,
+    TuningConfig(num_chunks=2, merge_kernel=True),
+  ),
+  (
+    "fp8 bf16 D128 8-bit layout",
+    (2, 3, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    FP8,
+    TuningConfig(num_stages=3, fp8_8bit_layout=True),
+  ),
+  (
+    "fp8 f16 D64 8-bit layout",
+    (2, 7, 16, 64),
+    (2, 64, 32, 64),
+    8,
+    F16,
+    FP8,
+    TuningConfig(fp8_8bit_layout=True),
+  ),
+  (
+    "fp8 bf16 G12 q7 block 128",
+    (2, 7, 24, 64),
+    (2, 64, 16, 64),
+    16,
+    BF16,
+    FP8,
+    TuningConfig(block_kv=128, num_stages=2),
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "q_shape, pages_shape, max_pages, dtype, kv_dtype, config",
+  [pytest.param(*case[1:], id=case[0]) for case in LOWERING_CASES],
+)
+def test_kernel_lowers_for_cuda_on_any_host(
+  q_shape, pages_shape, max_pages, dtype, kv_dtype, config
+):
+  batch, num_kv_heads = q_shape[0], pages_shape[0]
+  fp8 = kv_dtype == FP8
+  args = [
+    jax.ShapeDtypeStruct(q_shape, dtype),
+    jax.ShapeDtypeStruct(pages_shape, kv_dtype),
+    jax.ShapeDtypeStruct(pages_shape, kv_dtype),
+    jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+    jax.ShapeDtypeStruct((batch,), jnp.int32),
+    jax.ShapeDtypeStruct((num_kv_heads,), F32) if fp8 else None,
+    jax.ShapeDtypeStruct((num_kv_heads,), F32) if fp8 else None,
+  ]
+  config = config or default_config(q_shape[-1], pages_shape[2], kv_dtype)
+  kernel = functools.partial(
+    mosaic_gpu.paged_decode_attention_mosaic_gpu, sm_scale=0.1, config=config
+  )
+  lowered = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Larger cases on the GPU only.
 
 
 def _coverage_cases():
   """Every q_len 1..8, G in {1, 2, 4, 8, 12, 16}, D 64/128, page 16/32/64, bf16/fp16."""
-  groups, head_dims, pages, dtypes = (1, 2, 4, 8, 12, 16), (64, 128), (16, 32, 64), (0, 1)
+  groups, head_dims, pages = (1, 2, 4, 8, 12, 16), (64, 128), (16, 32, 64)
   cases = []
   for i, q_len in enumerate(range(1, 9)):
     for g_index, group in enumerate(groups):
-      cases.append(
-        (
-          q_len,
-          group,
-          head_dims[(i + g_index) % 2],
-          pages[(i + g_index) % 3],
-          (jnp.bfloat16, jnp.float16)[dtypes[(i * 7 + g_index) % 2]],
-        )
-      )
+      dtype = (BF16, F16)[(i * 7 + g_index) % 2]
+      cases.append((q_len, group, head_dims[(i + g_index) % 2], pages[(i + g_index) % 3], dtype))
   return cases
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", KERNEL_CASES)
-def test_kernel_gpu_small_cases(case):
-  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  check(paged_decode_attention(*args, impl="pallas", config=config), *args, dtype)
+def _coverage_params():
+  """The coverage cases with 16-bit pages, and with fp8 pages at G 1, 8 and 12."""
+  params = []
+  for q_len, group, head_dim, page_size, dtype in _coverage_cases():
+    name = f"q{q_len}-G{group}-D{head_dim}-page{page_size}-{jnp.dtype(dtype).name}"
+    params.append(pytest.param(q_len, group, head_dim, page_size, dtype, False, id=name))
+    if group in (1, 8, 12):
+      params.append(pytest.param(q_len, group, head_dim, page_size, dtype, True, id=name + "-fp8"))
+  return params
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", _coverage_cases())
-def test_kernel_gpu_coverage(case):
-  q_len, group, head_dim, page_size, dtype = case
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+@pytest.mark.parametrize("q_len, group, head_dim, page_size, dtype, fp8", _coverage_params())
+def test_kernel_gpu_coverage(q_len, group, head_dim, page_size, dtype, fp8):
+  rng = np.random.default_rng(q_len * 1000 + group * 10 + head_dim + page_size)
   seq_lens = [0, 1, q_len, page_size + 1, int(rng.integers(200, 700))]
-  args = make_case(rng, seq_lens, q_len, 2, group, head_dim, page_size, dtype)
-  check(paged_decode_attention(*args, impl="pallas"), *args, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", TWO_WARPGROUP_CASES)
-def test_two_warpgroup_tile_gpu_small_cases(case):
-  seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype, config = case
-  rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-  args = make_case(rng, seq_lens, q_len, num_kv_heads, group, head_dim, page_size, dtype)
-  out = paged_decode_attention(*args, impl="pallas", config=_two_warpgroups(config))
-  check(out, *args, dtype)
+  inputs = make_inputs(rng, seq_lens, q_len, 2, group, head_dim, page_size, dtype, fp8=fp8)
+  check(paged_decode_attention(*inputs.arrays, impl="pallas", **inputs.scales), inputs)
 
 
 @pytest.mark.gpu
@@ -314,28 +713,48 @@ def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim):
   """Ragged random lengths (1 to ~3000, edge lengths included) with the heuristic defaults."""
   rng = np.random.default_rng(q_len * 100 + group + head_dim)
   seq_lens = [0, 1, q_len - 1, 16, 17, *rng.integers(200, 3000, size=3)]
-  args = make_case(rng, seq_lens, q_len, 2, group, head_dim, 16, jnp.bfloat16)
-  config = _two_warpgroups(default_config(head_dim, 16))
-  check(paged_decode_attention(*args, impl="pallas", config=config), *args, jnp.bfloat16)
+  inputs = make_inputs(rng, seq_lens, q_len, 2, group, head_dim, 16, BF16)
+  config = dataclasses.replace(default_config(head_dim, 16), two_warpgroup_tiles=True)
+  check(paged_decode_attention(*inputs.arrays, impl="pallas", config=config), inputs)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit-kv", "fp8-kv"])
 @pytest.mark.parametrize("batch, max_len", [(1, 9000), (6, 3000)])
 @pytest.mark.parametrize("balance_waves", [None, 2])
-def test_kernel_gpu_large_random(batch, max_len, balance_waves):
+def test_kernel_gpu_large_random(batch, max_len, balance_waves, fp8):
   rng = np.random.default_rng(batch)
   seq_lens = rng.integers(1, max_len, size=batch)
-  args = make_case(rng, seq_lens, 7, 2, 8, 128, 16, jnp.bfloat16)
-  config = dataclasses.replace(default_config(128, 16), balance_waves=balance_waves)
-  check(paged_decode_attention(*args, impl="pallas", config=config), *args, jnp.bfloat16)
+  inputs = make_inputs(rng, seq_lens, 7, 2, 8, 128, 16, BF16, fp8=fp8)
+  config = dataclasses.replace(
+    default_config(128, 16, FP8 if fp8 else BF16), balance_waves=balance_waves
+  )
+  out = paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
+  check(out, inputs)
 
 
 @pytest.mark.gpu
-def test_balanced_chunks_gpu_ragged_batch():
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit-kv", "fp8-kv"])
+def test_balanced_chunks_gpu_ragged_batch(fp8):
   """64 requests of 1 to 5000 positions, padding slots among them, with the real SM count."""
   rng = np.random.default_rng(64)
   seq_lens = rng.integers(1, 5000, size=64)
   seq_lens[[3, 40]] = 0
-  args = make_case(rng, seq_lens, 4, 4, 8, 128, 16, jnp.bfloat16)
-  config = dataclasses.replace(default_config(128, 16), balance_waves=1)
-  check(paged_decode_attention(*args, impl="pallas", config=config), *args, jnp.bfloat16)
+  inputs = make_inputs(rng, seq_lens, 4, 4, 8, 128, 16, BF16, fp8=fp8)
+  config = dataclasses.replace(default_config(128, 16, FP8 if fp8 else BF16), balance_waves=1)
+  out = paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
+  check(out, inputs)
+
+
+@pytest.mark.gpu
+def test_out_of_contract_inputs_agree_on_the_gpu():
+  """The out-of-contract rule natively: XLA and the kernel under jit, against the oracle."""
+  for fp8 in (False, True):
+    inputs = _contract_inputs(fp8=fp8, q_len=3)
+    inputs = _with(inputs, seq_lens=[60, -3], tables=[[4, 99, 2], [5, -1, 3]])
+    expected = oracle(inputs, 1 / 8.0)
+    for impl in ("xla", "pallas"):
+      out = jax.jit(functools.partial(paged_decode_attention, impl=impl))(
+        *inputs.arrays, **inputs.scales
+      )
+      chex.assert_trees_all_close(np.asarray(out, np.float64), expected, rtol=2e-2, atol=2e-2)

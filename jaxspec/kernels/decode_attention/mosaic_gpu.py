@@ -46,12 +46,29 @@ waiter, as GPU interpret mode checks. Its race detector does not track the
 shared-memory reads of ``wgmma`` yet, so a missing ``consumed`` wait would only
 show on the GPU.
 
+Pages a request may not attend (``reference.py`` states the rule): a page past
+the request's length (or the table's capacity) or with an id outside
+``[0, num_pages)`` is never copied; a plain barrier arrival stands in for its
+TMA copy, its slot rows keep stale data, and the step masks them. Whether a
+step needs a mask is decided per block (``lax.cond``): inside the contract
+only the last blocks of a request do, as before, and the others run the
+unmasked step.
+
+fp8 pages (``float8_e4m3fn``): TMA copies the fp8 blocks (half the bytes of
+bf16) into the ring; each step converts its K and V block into a 16-bit
+staging block in q's dtype (exact: e4m3 values are bf16/fp16 values), on which
+the ``wgmma``s run, and the slot is refilled right after. The real value is
+``stored * scale`` per KV head, so ``k_scale`` joins the score scale and
+``v_scale`` the output's ``1 / l`` (exact up to float32 rounding: per-head
+scalars factor out of both matmuls).
+
 Numerics: K positions a row must not see are masked with ``where`` to -inf,
 and V rows past the request's length are zeroed in shared memory before
 ``P V`` (their probability is 0, but 0 * NaN = NaN on the tensor cores), so
 garbage or NaN in unowned page slots cannot reach the output. Rows that see
 nothing keep a running max of -inf; the exponent is then shifted by 0 instead
-of -inf so no NaN is formed, and they finish with output 0 and lse -inf.
+of -inf so no NaN is formed, and they finish with output 0 and lse -inf. NaN
+in a position a row does see reaches its output, as on the XLA path.
 """
 
 import dataclasses
@@ -67,7 +84,8 @@ from jax import lax
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
 
 ROWS_PER_TILE = 64  # wgmma M tile of one warpgroup
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # q (and 16-bit pages)
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 _SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on Hopper
@@ -100,6 +118,13 @@ class TuningConfig:
       length, capped at ``BALANCED_MAX_CHUNKS``): ragged batches run in about
       ``w`` balanced waves.
     num_sms: SMs the grid is sized for; ``None`` asks the device (132 on an H100/H200).
+    merge_kernel: when a call splits the KV into chunks, merge them and write the unpacked
+      ``[B, q_len, Hq, D]`` rows in one small Mosaic GPU kernel (``merge_chunks_mosaic_gpu``)
+      instead of XLA's merge fusions and row transpose. Off by default until measured.
+    fp8_8bit_layout: fp8 pages: load each fp8 block into registers in the 8-bit wgmma layout
+      (4 consecutive bytes per thread and vector: half the shared-memory loads, and 8-byte
+      stores of the converted values) instead of the 16-bit one (2 bytes). Off by default until
+      measured.
   """
 
   block_kv: int = 64
@@ -108,6 +133,8 @@ class TuningConfig:
   two_warpgroup_tiles: bool = False
   balance_waves: int | None = None
   num_sms: int | None = None
+  merge_kernel: bool = False
+  fp8_8bit_layout: bool = False
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -123,9 +150,12 @@ class TuningConfig:
       not isinstance(self.balance_waves, int) or self.balance_waves < 1
     ):
       raise ValueError(f"balance_waves must be a positive int or None, got {self.balance_waves!r}")
+    for name in ("merge_kernel", "fp8_8bit_layout"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-def default_config(head_dim: int, page_size: int) -> TuningConfig:
+def default_config(head_dim: int, page_size: int, kv_dtype=jnp.bfloat16) -> TuningConfig:
   """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves.
 
   On the H200 a small ring that lets two work items share an SM beat a deep
@@ -133,22 +163,31 @@ def default_config(head_dim: int, page_size: int) -> TuningConfig:
   length planned for four waves over the whole batch ran 64 ragged requests
   (1k..32k positions, q_len 7) in 1124 us against 1375 us with per-request
   chunks, and 64 requests of 32k in 1953 against 1930 us (tuning sweep in
-  benchmarks/results/decode_attention.md).
+  benchmarks/results/decode_attention.md). fp8 pages halve the ring's bytes per
+  stage but add two 16-bit staging blocks; their ring gets as many stages (at
+  most 8) as keep two work items per SM (not yet tuned on the GPU).
   """
   block_kv = max(64, page_size)
-  block_bytes = 2 * block_kv * head_dim * 2  # K and V, 16-bit
+  kv_itemsize = jnp.dtype(kv_dtype).itemsize
+  block_bytes = 2 * block_kv * head_dim * kv_itemsize  # one stage: a K and a V block
+  ring_budget = 64 * 1024
+  if kv_itemsize == 1:
+    rest = smem_bytes(head_dim, TuningConfig(block_kv=block_kv, num_stages=1), kv_itemsize=1)
+    ring_budget = min(ring_budget, _SMEM_PER_SM // 2 - (rest - block_bytes))
   return TuningConfig(
     block_kv=block_kv,
-    num_stages=max(2, min(8, (64 * 1024) // block_bytes)),
+    num_stages=max(2, min(8, ring_budget // block_bytes)),
     balance_waves=DEFAULT_BALANCE_WAVES,
   )
 
 
-def smem_bytes(head_dim: int, config: TuningConfig, warpgroups: int = 1) -> int:
-  """Shared memory of one work item: the K/V ring, and per warpgroup its Q/output and P tiles."""
-  ring = 2 * config.num_stages * config.block_kv * head_dim * 2
+def smem_bytes(head_dim: int, config: TuningConfig, warpgroups: int = 1, kv_itemsize=2) -> int:
+  """Shared memory of one work item: the K/V ring (and, for fp8 pages, one 16-bit K and V
+  block to convert into), and per warpgroup its Q/output and P tiles."""
+  ring = 2 * config.num_stages * config.block_kv * head_dim * kv_itemsize
+  staging = 2 * config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
   rows = warpgroups * ROWS_PER_TILE
-  return ring + rows * (head_dim + config.block_kv) * 2 + rows * 4
+  return ring + staging + rows * (head_dim + config.block_kv) * 2 + rows * 4
 
 
 def default_num_chunks(
@@ -166,31 +205,55 @@ def default_num_chunks(
   return max(1, min(slots // items, max_blocks // 2))
 
 
+def _uses_two_warpgroups(q, k_pages, config: TuningConfig) -> bool:
+  num_rows = q.shape[1] * (q.shape[2] // k_pages.shape[0])
+  return config.two_warpgroup_tiles and num_rows > ROWS_PER_TILE
+
+
 def unsupported_reason(
-  q, k_pages, v_pages, block_tables, seq_lens, *, config: TuningConfig, sm_scale: float
+  q,
+  k_pages,
+  v_pages,
+  block_tables,
+  seq_lens,
+  k_scale,
+  v_scale,
+  *,
+  config: TuningConfig,
+  sm_scale: float,
 ) -> str | None:
   """Why the kernel cannot serve these inputs, or ``None`` when it can."""
-  del v_pages, block_tables, seq_lens, sm_scale  # any values the api accepts are served
+  del v_pages, seq_lens, k_scale, v_scale, sm_scale  # any values the api accepts are served
   head_dim = q.shape[-1]
   page_size = k_pages.shape[2]
   if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-    return f"the Mosaic GPU kernel needs bf16 or fp16 inputs, got {q.dtype}"
+    return f"the Mosaic GPU kernel needs bf16 or fp16 queries, got {q.dtype}"
+  if jnp.dtype(k_pages.dtype) not in (jnp.dtype(q.dtype), FP8_DTYPE):
+    return f"the Mosaic GPU kernel needs pages in q's dtype or float8_e4m3fn, got {k_pages.dtype}"
   if head_dim not in SUPPORTED_HEAD_DIMS:
     return f"the Mosaic GPU kernel needs head dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
   if page_size not in SUPPORTED_PAGE_SIZES:
     return f"the Mosaic GPU kernel needs page size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
   if config.block_kv % page_size:
     return f"block_kv={config.block_kv} must be a multiple of the page size {page_size}"
+  if k_pages.dtype == FP8_DTYPE and _uses_two_warpgroups(q, k_pages, config):
+    return "two_warpgroup_tiles does not serve fp8 pages (64-row tiles do)"
+  group = q.shape[2] // k_pages.shape[0]
+  capacity = block_tables.shape[1] * page_size
+  if (capacity + config.block_kv + 2 * q.shape[1]) * group >= 2**31:
+    return f"the causal mask's int32 arithmetic overflows at capacity {capacity} and G {group}"
   return None
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "config", "interpret"))
 def paged_decode_attention_mosaic_gpu(
   q: jax.Array,  # [B, q_len, Hq, D]
-  k_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
-  v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
+  k_pages: jax.Array,  # [Hkv, num_pages, page_size, D], q.dtype or float8_e4m3fn
+  v_pages: jax.Array,  # [Hkv, num_pages, page_size, D], like k_pages
   block_tables: jax.Array,  # int32 [B, max_pages_per_req]
   seq_lens: jax.Array,  # int32 [B]
+  k_scale: jax.Array | None,  # f32 [Hkv] with fp8 pages, else None
+  v_scale: jax.Array | None,  # f32 [Hkv] with fp8 pages, else None
   *,
   sm_scale: float,
   config: TuningConfig,
@@ -199,19 +262,24 @@ def paged_decode_attention_mosaic_gpu(
   """Runs the packed-row kernel and merges its KV chunks (inputs checked by the api)."""
   batch, q_len, num_q_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  if batch == 0:
+    return jnp.zeros(q.shape, q.dtype)
   max_pages = block_tables.shape[1]
+  capacity = max_pages * page_size
   group = num_q_heads // num_kv_heads
   dtype = q.dtype
+  fp8 = k_pages.dtype == FP8_DTYPE
   block_kv, num_stages = config.block_kv, config.num_stages
   pages_per_block = block_kv // page_size
   num_rows = q_len * group
   # Consumer warpgroups per tile, each owning 64 of its rows.
-  warpgroups = 2 if config.two_warpgroup_tiles and num_rows > ROWS_PER_TILE else 1
+  warpgroups = 2 if _uses_two_warpgroups(q, k_pages, config) else 1
   rows_per_tile = warpgroups * ROWS_PER_TILE
   row_tiles = pl.cdiv(num_rows, rows_per_tile)
   padded_rows = row_tiles * rows_per_tile
-  max_blocks = pl.cdiv(max_pages * page_size, block_kv)
-  items_per_sm = max(1, min(4, _SMEM_PER_SM // smem_bytes(head_dim, config, warpgroups)))
+  max_blocks = pl.cdiv(capacity, block_kv)
+  item_smem = smem_bytes(head_dim, config, warpgroups, jnp.dtype(k_pages.dtype).itemsize)
+  items_per_sm = max(1, min(4, _SMEM_PER_SM // item_smem))
   slots = num_sms(config.num_sms) * items_per_sm  # work items resident at once
   num_chunks = config.num_chunks or default_num_chunks(
     batch, num_kv_heads, row_tiles, max_blocks, slots
@@ -224,14 +292,17 @@ def paged_decode_attention_mosaic_gpu(
     if config.num_chunks is None:
       # Room for a request twice the mean length; spare items of the static grid cost a launch.
       num_chunks = min(BALANCED_MAX_CHUNKS, max_blocks, pl.cdiv(2 * target, batch))
-    blocks = lax.div(seq_lens + (block_kv - 1), block_kv)  # [B]
+    kv_lens = jnp.clip(seq_lens, 0, capacity)  # what the kernel attends (see its kv_len)
+    blocks = lax.div(kv_lens + (block_kv - 1), block_kv)  # [B]
     common = lax.div(jnp.sum(blocks) + (target - 1), target)
     # Chunks of about the common length, at most num_chunks, split evenly within a request.
     chunks = jnp.clip(lax.div(blocks + (common - 1), jnp.maximum(common, 1)), 1, num_chunks)
     chunk_lengths = lax.div(blocks + (chunks - 1), chunks)
   else:
     chunk_lengths = jnp.zeros((1,), jnp.int32)  # unused: the kernel plans per request
-  qk_scale = sm_scale * _LOG2E  # softmax in base 2: exp(s) = exp2(s * log2(e))
+  base_qk_scale = sm_scale * _LOG2E  # softmax in base 2: exp(s) = exp2(s * log2(e))
+  # Register layout of the fp8 blocks on their way to the staging blocks.
+  fp8_layout = plgpu.Layout.WGMMA_8BIT if config.fp8_8bit_layout else plgpu.Layout.WGMMA
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -242,29 +313,41 @@ def paged_decode_attention_mosaic_gpu(
     block_tables_ref,  # GMEM int32 [B, max_pages]
     seq_lens_ref,  # GMEM int32 [B]
     chunk_lengths_ref,  # GMEM int32 [B] blocks per chunk when balanced, else [1] unused
-    q_ref,  # GMEM [B, Hkv, padded_rows, D]
-    k_ref,  # GMEM [Hkv, num_pages, page_size, D]
-    v_ref,  # GMEM [Hkv, num_pages, page_size, D]
-    out_ref,  # GMEM [B * num_chunks, Hkv, padded_rows, D]
-    lse_ref,  # GMEM f32 [B * num_chunks, Hkv, padded_rows]
-    qo_smem,  # [(warpgroups,) 64, D], Q tile, then the output tile
-    k_smem,  # [num_stages, block_kv, D]
-    v_smem,  # [num_stages, block_kv, D]
-    p_smem,  # [(warpgroups,) 64, block_kv], probabilities of the current block
-    lse_smem,  # f32 [(warpgroups,) 64]
-    q_barrier,  # [(warpgroups,)]
-    k_barriers,  # [num_stages], one arrival per page copy
-    v_barriers,
-    *two_warpgroup_barriers,  # consumed [num_stages] and v_zeroed, with two warpgroups
+    *refs,
   ):
+    if fp8:
+      k_scale_ref, v_scale_ref, *refs = refs  # GMEM f32 [Hkv]
+    (
+      q_ref,  # GMEM [B, Hkv, padded_rows, D]
+      k_ref,  # GMEM [Hkv, num_pages, page_size, D]
+      v_ref,  # GMEM [Hkv, num_pages, page_size, D]
+      out_ref,  # GMEM [B * num_chunks, Hkv, padded_rows, D]
+      lse_ref,  # GMEM f32 [B * num_chunks, Hkv, padded_rows]
+      qo_smem,  # [(warpgroups,) 64, D], Q tile, then the output tile
+      k_smem,  # [num_stages, block_kv, D], pages' dtype
+      v_smem,  # [num_stages, block_kv, D], pages' dtype
+      p_smem,  # [(warpgroups,) 64, block_kv], probabilities of the current block
+      lse_smem,  # f32 [(warpgroups,) 64]
+      q_barrier,  # [(warpgroups,)]
+      k_barriers,  # [num_stages], one arrival per page copy
+      v_barriers,
+      *extra_scratch,  # fp8: K and V staging blocks; two warpgroups: consumed, v_zeroed
+    ) = refs
     kv_head = lax.axis_index("kv_head")
     row_tile = lax.axis_index("row_tile")
     item = lax.axis_index("item")
     request = lax.div(item, num_chunks)
     chunk = lax.rem(item, num_chunks)
     row_base = row_tile * rows_per_tile
+    if fp8:
+      k_staging, v_staging = extra_scratch  # [block_kv, D] in q's dtype
+      # Real K = stored K * k_scale: the scale joins the score scale; V's joins the output's.
+      qk_scale = k_scale_ref[kv_head] * base_qk_scale
+      out_scale = v_scale_ref[kv_head]
+    else:
+      qk_scale = base_qk_scale
     if warpgroups > 1:
-      consumed_barriers, v_zeroed_barrier = two_warpgroup_barriers
+      consumed_barriers, v_zeroed_barrier = extra_scratch
       wg = lax.axis_index("wg")
       row_base = row_base + wg * ROWS_PER_TILE
       qo_smem, p_smem, lse_smem = qo_smem.at[wg], p_smem.at[wg], lse_smem.at[wg]
@@ -274,9 +357,12 @@ def paged_decode_attention_mosaic_gpu(
       """``pl.when`` for the ring's TMA copies, which warpgroup 0 alone issues."""
       return pl.when(condition & (wg == 0)) if warpgroups > 1 else pl.when(condition)
 
-    # The chunk plan, from the request's length on the device.
-    seq_len = seq_lens_ref[request]
-    num_blocks = lax.div(seq_len + (block_kv - 1), block_kv)
+    # The chunk plan, from the request's length on the device. Lengths past the table's
+    # capacity attend the capacity only (clipped, the causal limits are unchanged and the
+    # int32 arithmetic cannot overflow); negative lengths see nothing.
+    seq_len = jnp.clip(seq_lens_ref[request], 0, capacity + q_len)
+    kv_len = jnp.minimum(seq_len, capacity)  # positions this request may attend
+    num_blocks = lax.div(kv_len + (block_kv - 1), block_kv)
     if balanced:
       chunk_blocks = chunk_lengths_ref[request]
     else:
@@ -284,8 +370,9 @@ def paged_decode_attention_mosaic_gpu(
     start = jnp.minimum(chunk * chunk_blocks, num_blocks)
     end = jnp.minimum(start + chunk_blocks, num_blocks)
     num_steps = end - start
-    # Blocks entirely below the first row's limit S - q_len + 1 need no mask.
-    first_limit = seq_len - (q_len - 1)
+    # Blocks entirely below the first row's limit S - q_len + 1 (and the capacity) need no
+    # causal or length mask.
+    first_limit = jnp.minimum(seq_len - (q_len - 1), kv_len)
     unmasked_end = jnp.clip(lax.div(jnp.maximum(first_limit, 0), block_kv), start, end)
 
     # Items past a request's last chunk (the grid is static) load and store no tile:
@@ -300,36 +387,78 @@ def paged_decode_attention_mosaic_gpu(
         q_ref.at[request, kv_head, pl.ds(row_base, ROWS_PER_TILE)], qo_smem, q_barrier
       )
 
+    def page_ids(block):
+      """The block's page ids from the table (entries past the table: its last entry)."""
+      return [
+        block_tables_ref[request, jnp.minimum(block * pages_per_block + p, max_pages - 1)]
+        for p in range(pages_per_block)
+      ]
+
+    def in_pool(page):
+      return (page >= 0) & (page < num_pages)
+
+    def copy_page(page, slot, rows):
+      plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_barriers.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
+
+    def skip_page(slot):
+      plgpu.barrier_arrive(k_barriers.at[slot])
+      plgpu.barrier_arrive(v_barriers.at[slot])
+
     def fetch(block, slot):
-      for p in range(pages_per_block):
-        # Entries past the request's pages may be garbage: clamp into range;
-        # the mask and the V zeroing below discard what they bring.
-        page_index = jnp.minimum(block * pages_per_block + p, max_pages - 1)
-        page = jnp.clip(block_tables_ref[request, page_index], 0, num_pages - 1)
+      for p, page in enumerate(page_ids(block)):
+        # Only pages inside the length with an id in the pool are read. The slot rows of the
+        # others keep stale data: the mask and the V zeroing below discard them, and a plain
+        # barrier arrival stands in for the copy's.
+        readable = ((block * pages_per_block + p) * page_size < kv_len) & in_pool(page)
         rows = pl.ds(p * page_size, page_size)
-        plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_barriers.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
+        pl.when(readable)(functools.partial(copy_page, page, slot, rows))
+        pl.when(jnp.logical_not(readable))(functools.partial(skip_page, slot))
 
     for s in range(num_stages):
       when_issuer(s < num_steps)(functools.partial(fetch, start + s, s))
 
-    def zero_v_tail(slot, block):
+    def attendable(positions, block, pages_in_pool):
+      """Positions (within the block) inside the length, on pages whose id is in the pool."""
+      ok = positions + block * block_kv < kv_len
+      page_of_position = lax.div(positions, page_size)
+      for p, page_ok in enumerate(pages_in_pool):
+        ok = ok & ((page_of_position != p) | page_ok)
+      return ok
+
+    def zero_v_rows(slot, block, pages_in_pool):
       v_block = v_smem.at[slot]
       positions = plgpu.broadcasted_iota(
         jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA
       )
       values = plgpu.load(v_block, layout=plgpu.Layout.WGMMA)
-      v_block[...] = jnp.where(positions + block * block_kv < seq_len, values, 0)
+      v_block[...] = jnp.where(attendable(positions, block, pages_in_pool), values, 0)
       plgpu.commit_smem()  # make the stores visible to the tensor cores
 
-    def step(i, carry, masked):
+    def to_staging(src, dst, keep=None):
+      """fp8 block -> registers -> q's dtype (exact) -> staging block for wgmma."""
+      values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
+      if dtype != jnp.float16:  # e4m3 -> f16 is one instruction; f16 -> bf16 goes via f32
+        values = values.astype(jnp.float32).astype(dtype)
+      if keep is not None:
+        values = jnp.where(keep, values, 0)
+      dst[...] = values
+
+    def block_step(i, carry, *, masked, pages_in_pool):
       acc, m_i, l_i = carry
       block = start + i
       slot = lax.rem(i, num_stages)
+      refill = i + num_stages
       plgpu.barrier_wait(k_barriers.at[slot])
+      if fp8:
+        to_staging(k_smem.at[slot], k_staging)
+        plgpu.commit_smem()
+        k_block, v_block = k_staging, v_staging
+      else:
+        k_block, v_block = k_smem.at[slot], v_smem.at[slot]
 
       def compute_qk(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(acc_ref, qo_smem, k_block.transpose((1, 0)))
         return acc_ref[...]
 
       qk = pl.run_scoped(compute_qk, plgpu.ACC((ROWS_PER_TILE, block_kv), jnp.float32))
@@ -341,6 +470,7 @@ def paged_decode_attention_mosaic_gpu(
         cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
         # pos < S - q_len + 1 + j  <=>  (pos - S + q_len) * G <= r  (no division).
         visible = (cols + (block * block_kv - seq_len + q_len)) * group <= rows + row_base
+        visible = visible & attendable(cols, block, pages_in_pool)
         qk = jnp.where(visible, qk, -jnp.inf)
       m_new = jnp.maximum(m_i, qk.max(axis=1))
       # A row that has seen nothing yet has max -inf: shift by 0 to avoid inf - inf.
@@ -350,17 +480,24 @@ def paged_decode_attention_mosaic_gpu(
       l_i = l_i * alpha + p.sum(axis=1)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       plgpu.barrier_wait(v_barriers.at[slot])
-      if masked:
+      if fp8:
+        keep = None
+        if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
+          positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
+          keep = attendable(positions, block, pages_in_pool)
+        to_staging(v_smem.at[slot], v_staging, keep)
+      elif masked:
+        needs_zeroing = ((block + 1) * block_kv > kv_len) | jnp.logical_not(_all(pages_in_pool))
 
-        @pl.when((block + 1) * block_kv > seq_len)
-        def _zero_tail():
+        @pl.when(needs_zeroing)
+        def _zero_rows():
           if warpgroups == 1:
-            zero_v_tail(slot, block)
+            zero_v_rows(slot, block, pages_in_pool)
             return
 
           @pl.when(wg == 0)
           def _zero_and_signal():
-            zero_v_tail(slot, block)
+            zero_v_rows(slot, block, pages_in_pool)
             plgpu.barrier_arrive(v_zeroed_barrier)
 
           @pl.when(wg != 0)
@@ -370,16 +507,19 @@ def paged_decode_attention_mosaic_gpu(
       # P goes through shared memory: the wgmma A operand is read from there
       # (the GPU interpreter only models that form).
       p_smem[...] = p.astype(dtype)
-      plgpu.commit_smem()
+      plgpu.commit_smem()  # also orders this step's reads of the slot before its refill
+      if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
+        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
 
       def compute_pv(pv_ref):
-        plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+        plgpu.wgmma(pv_ref, p_smem, v_block)
         return pv_ref[...]
 
       acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
-      # Both wgmmas on this slot are complete: refill it.
-      refill = i + num_stages
-      if warpgroups == 1:
+      if fp8:
+        pass  # refilled above
+      elif warpgroups == 1:
+        # Both wgmmas on this slot are complete: refill it.
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
       else:
 
@@ -394,6 +534,20 @@ def paged_decode_attention_mosaic_gpu(
 
       return acc, m_new, l_i
 
+    def step(i, carry):
+      # Blocks below the first row's limit whose pages all lie in the pool (always, inside
+      # the contract) skip the mask; the rest (the last blocks, out-of-pool pages) apply it.
+      block = start + i
+      pages_in_pool = [in_pool(page) for page in page_ids(block)]
+      needs_mask = (block >= unmasked_end) | jnp.logical_not(_all(pages_in_pool))
+      return lax.cond(
+        needs_mask,
+        functools.partial(block_step, masked=True, pages_in_pool=pages_in_pool),
+        functools.partial(block_step, masked=False, pages_in_pool=pages_in_pool),
+        i,
+        carry,
+      )
+
     m_i = plgpu.layout_cast(
       jnp.full((ROWS_PER_TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
     )
@@ -404,15 +558,14 @@ def paged_decode_attention_mosaic_gpu(
       jnp.full((ROWS_PER_TILE, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
     )
     pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
-    carry = (acc, m_i, l_i)
-    carry = lax.fori_loop(0, unmasked_end - start, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(
-      unmasked_end - start, num_steps, functools.partial(step, masked=True), carry
-    )
-    acc, m_i, l_i = carry
+    acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
 
-    seen = l_i > 0.0
-    inv_l = 1.0 / jnp.where(seen, l_i, 1.0)  # rows that saw nothing have acc = 0
+    # Rows that saw nothing have l = 0 and acc = 0. NaN in a row's visible K/V makes l NaN:
+    # it must reach the output as on the XLA path, not pass for "saw nothing".
+    seen = l_i != 0.0
+    inv_l = 1.0 / jnp.where(seen, l_i, 1.0)
+    if fp8:
+      inv_l = inv_l * out_scale  # real V = stored V * v_scale
     acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     qo_smem[...] = acc.astype(dtype)
     lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
@@ -423,17 +576,24 @@ def paged_decode_attention_mosaic_gpu(
     plgpu.wait_smem_to_gmem(0)
 
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  if fp8:  # rows of D bytes: 128-byte swizzle at D 128, 64-byte at D 64
+    swizzle = min(128, head_dim)
+    kv_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+  else:
+    kv_transforms = transforms
   per_warpgroup = (warpgroups,) if warpgroups > 1 else ()
   scratch = [
     plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
-    plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-    plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
+    plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
+    plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
     plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, block_kv), dtype, transforms=transforms),
     plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE), jnp.float32),
     plgpu.Barrier(num_barriers=warpgroups) if warpgroups > 1 else plgpu.Barrier(),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
   ]
+  if fp8:  # K and V staging blocks in q's dtype
+    scratch += [plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms)] * 2
   if warpgroups > 1:
     scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]  # consumed, v_zeroed
   num_items = batch * num_chunks
@@ -441,6 +601,7 @@ def paged_decode_attention_mosaic_gpu(
     jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), dtype),
     jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows), jnp.float32),
   )
+  scales = (k_scale, v_scale) if fp8 else ()
   partial_out, partial_lse = plgpu.kernel(
     kernel,
     out_type=out_type,
@@ -451,14 +612,23 @@ def paged_decode_attention_mosaic_gpu(
     thread_name="wg" if warpgroups > 1 else None,
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
-  )(block_tables, seq_lens, chunk_lengths, q_packed, k_pages, v_pages)
+  )(block_tables, seq_lens, chunk_lengths, *scales, q_packed, k_pages, v_pages)
 
+  if num_chunks > 1 and config.merge_kernel:
+    return merge_chunks_mosaic_gpu(
+      partial_out, partial_lse, num_chunks=num_chunks, q_len=q_len, group=group, interpret=interpret
+    )
   out = merge_chunks(
     partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
     partial_lse.reshape(batch, num_chunks, num_kv_heads, padded_rows),
   )  # [B, Hkv, padded_rows, D]
   out = out[:, :, :num_rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
   return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
+
+
+def _all(flags):
+  """Logical and of a list of traced bools."""
+  return functools.reduce(jnp.logical_and, flags)
 
 
 def merge_chunks(
@@ -484,3 +654,118 @@ def merge_chunks(
   )
   merged = merged / jnp.where(total > 0.0, total, 1.0)[..., None]
   return merged.astype(partial_out.dtype)
+
+
+def merge_chunks_mosaic_gpu(
+  partial_out: jax.Array,  # [B * C, Hkv, R, D], each chunk normalised on its own
+  partial_lse: jax.Array,  # f32 [B * C, Hkv, R], base-2 log-sum-exp, -inf = saw nothing
+  *,
+  num_chunks: int,
+  q_len: int,
+  group: int,
+  interpret: bool = False,
+) -> jax.Array:  # [B, q_len, Hkv * G, D], partial_out.dtype
+  """``merge_chunks`` and the row unpacking in one Mosaic GPU kernel.
+
+  One program per (KV head, row tile, request) streams the request's ``C`` chunk tiles through
+  two shared-memory slots (the next chunk's TMA copy runs while this one is merged) and merges
+  them online in a fixed order: with ``M`` the running max of the chunks' lse,
+  ``acc = acc * 2^(M_old - M) + 2^(lse_c - M) o_c`` and ``l`` likewise, so the result is
+  ``merge_chunks``' up to float32 rounding. Chunks that saw nothing (lse -inf) have weight 0
+  and are selected away (their tiles are unwritten); NaN in an lse reaches the output as in
+  ``merge_chunks``. The merged tile goes straight to the output: packed row ``r = j * G + g``
+  is row ``(j, h * G + g)`` of its request, so the tile's rows of token ``j`` are one TMA copy
+  of at most ``G`` contiguous rows.
+  """
+  num_items, num_kv_heads, padded_rows, head_dim = partial_out.shape
+  batch = num_items // num_chunks
+  num_rows = q_len * group
+  row_tiles = padded_rows // ROWS_PER_TILE
+  dtype = partial_out.dtype
+
+  def kernel(
+    tiles_ref,  # GMEM [B * C, Hkv, R, D]
+    lse_ref,  # GMEM f32 [B * C, Hkv, R]
+    out_ref,  # GMEM [B, q_len, Hq, D]
+    tile_smem,  # [2, 64, D]
+    lse_smem,  # f32 [2, 64]
+    merged_smem,  # [64, D], unswizzled so that any run of rows can be copied out
+    barriers,  # [2], two arrivals: the tile and its lse
+  ):
+    kv_head = lax.axis_index("kv_head")
+    row_tile = lax.axis_index("row_tile")
+    request = lax.axis_index("request")
+    rows = pl.ds(row_tile * ROWS_PER_TILE, ROWS_PER_TILE)
+
+    def fetch(chunk, slot):
+      item = request * num_chunks + chunk
+      plgpu.copy_gmem_to_smem(
+        tiles_ref.at[item, kv_head, rows], tile_smem.at[slot], barriers.at[slot]
+      )
+      plgpu.copy_gmem_to_smem(lse_ref.at[item, kv_head, rows], lse_smem.at[slot], barriers.at[slot])
+
+    fetch(0, 0)
+
+    def step(chunk, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(chunk, 2)
+
+      @pl.when(chunk + 1 < num_chunks)
+      def _prefetch():
+        plgpu.commit_smem()  # orders the last reads of the other slot before its refill
+        fetch(chunk + 1, 1 - slot)
+
+      plgpu.barrier_wait(barriers.at[slot])
+      lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+      tile = plgpu.load(tile_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      m_new = jnp.maximum(m_i, lse)
+      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: no inf - inf
+      alpha = jnp.exp2(m_i - m_shift)
+      weight = jnp.exp2(lse - m_shift)  # 0 for a chunk that saw nothing
+
+      def rows_of(vector):
+        return lax.broadcast_in_dim(vector, tile.shape, [0])
+
+      tile = jnp.where(rows_of(weight > 0.0), tile, 0.0)  # unwritten tiles: 0 * NaN = NaN
+      acc = acc * rows_of(alpha) + rows_of(weight) * tile
+      return acc, m_new, l_i * alpha + weight
+
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m_i = plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), -jnp.inf, jnp.float32), row_layout)
+    l_i = plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), 0.0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(
+      jnp.full((ROWS_PER_TILE, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
+    )
+    acc, _, l_i = lax.fori_loop(0, num_chunks, step, (acc, m_i, l_i))
+    inv_l = 1.0 / jnp.where(l_i > 0.0, l_i, 1.0)  # rows no chunk saw: acc = 0
+    merged_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+    plgpu.commit_smem()
+
+    def store_rows(tile_start):
+      for j in range(q_len):  # token j: packed rows [j * G, (j + 1) * G) of this tile
+        first = max(j * group, tile_start)
+        last = min((j + 1) * group, tile_start + ROWS_PER_TILE, num_rows)
+        if first < last:
+          plgpu.copy_smem_to_gmem(
+            merged_smem.at[pl.ds(first - tile_start, last - first)],
+            out_ref.at[request, j, pl.ds(kv_head * group + first - j * group, last - first)],
+          )
+
+    for tile_index in range(row_tiles):  # the rows' tokens are static per tile
+      pl.when(row_tile == tile_index)(functools.partial(store_rows, tile_index * ROWS_PER_TILE))
+    plgpu.wait_smem_to_gmem(0)
+
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  return plgpu.kernel(
+    kernel,
+    out_type=jax.ShapeDtypeStruct((batch, q_len, num_kv_heads * group, head_dim), dtype),
+    scratch_types=[
+      plgpu.SMEM((2, ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((2, ROWS_PER_TILE), jnp.float32),
+      plgpu.SMEM((ROWS_PER_TILE, head_dim), dtype),
+      plgpu.Barrier(num_arrivals=2, num_barriers=2),
+    ],
+    grid=(num_kv_heads, row_tiles, batch),
+    grid_names=("kv_head", "row_tile", "request"),
+    interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
+  )(partial_out, partial_lse)

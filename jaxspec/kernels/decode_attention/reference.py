@@ -7,6 +7,22 @@ the draft rows). Query head ``h`` reads KV head ``h // G`` with
 ``G = Hq // Hkv``. Rows that see nothing (``S - q_len + j + 1 <= 0``, which
 includes padding slots with ``S = 0``) return zeros.
 
+Device-value contract: ``0 <= S <= max_pages_per_req * page_size`` (the block
+table's capacity), and every page id a request uses inside its length,
+``block_tables[b, i]`` for ``i < ceil(S / page_size)``, is in ``[0, num_pages)``.
+The public function checks it eagerly (``jaxspec.contracts``). Outside the
+contract every implementation follows one rule, so that no path reads a page
+the table does not name and all paths agree: row ``j`` attends position ``p``
+only if, besides the causal limit above, ``p < max_pages_per_req * page_size``
+and ``0 <= block_tables[b, p // page_size] < num_pages``. Positions past the
+table's capacity and positions on an out-of-range page id are not attended
+(never clamped onto a page that may belong to another request); a negative
+``S`` sees nothing.
+
+fp8 pages: ``k_pages`` / ``v_pages`` in ``float8_e4m3fn`` come with float32
+``k_scale`` / ``v_scale`` of shape ``[Hkv]``; the real value of a stored entry of
+KV head ``h`` is ``stored * scale[h]``, dequantised here in float32.
+
 The pages of each request are gathered into a contiguous
 ``[B, Hkv, max_pages * page_size, D]`` view and attended to with one masked
 softmax. Masking is done with ``where`` (never by multiplying with 0) so that
@@ -26,6 +42,8 @@ def paged_decode_attention_reference(
   v_pages: jax.Array,  # [Hkv, num_pages, page_size, D]
   block_tables: jax.Array,  # int32 [B, max_pages_per_req]
   seq_lens: jax.Array,  # int32 [B]
+  k_scale: jax.Array | None,  # f32 [Hkv] with fp8 pages, else None
+  v_scale: jax.Array | None,  # f32 [Hkv] with fp8 pages, else None
   *,
   sm_scale: float,
 ) -> jax.Array:  # [B, q_len, Hq, D], q.dtype
@@ -36,25 +54,33 @@ def paged_decode_attention_reference(
   group = num_q_heads // num_kv_heads
   kv_len = max_pages * page_size
 
-  # Entries past a request's pages may hold garbage ids: clamp them so the
-  # gather stays in bounds; the length mask below removes what they fetch.
-  page_ids = jnp.clip(block_tables, 0, num_pages - 1)  # [B, P]
+  # Out-of-range ids are masked below; clamping only keeps the gather in bounds.
+  page_in_range = (block_tables >= 0) & (block_tables < num_pages)  # [B, P]
+  page_ids = jnp.where(page_in_range, block_tables, 0)
 
-  def gather(pages):  # [Hkv, N, page, D] -> [B, Hkv, P * page, D]
+  def gather(pages, scale):  # [Hkv, N, page, D] -> f32 [B, Hkv, P * page, D]
     gathered = pages[:, page_ids]  # [Hkv, B, P, page, D]
-    return jnp.swapaxes(gathered, 0, 1).reshape(batch, num_kv_heads, kv_len, head_dim)
+    gathered = jnp.swapaxes(gathered, 0, 1).reshape(batch, num_kv_heads, kv_len, head_dim)
+    gathered = gathered.astype(jnp.float32)
+    if scale is not None:  # fp8: real value = stored * scale of the KV head
+      gathered = gathered * scale[None, :, None, None]
+    return gathered
 
-  keys = gather(k_pages).astype(jnp.float32)
-  values = gather(v_pages).astype(jnp.float32)
+  keys = gather(k_pages, k_scale)
+  values = gather(v_pages, v_scale)
 
+  # Lengths past the capacity (plus q_len) see the same positions as the capacity plus q_len;
+  # clipping keeps the int32 row limits below from overflowing.
+  seq_lens = jnp.clip(seq_lens, 0, kv_len + q_len)
   positions = jnp.arange(kv_len, dtype=jnp.int32)  # [L]
-  in_length = positions[None, :] < seq_lens[:, None]  # [B, L]
+  attendable = jnp.repeat(page_in_range, page_size, axis=1)  # [B, L]
+  in_length = (positions[None, :] < seq_lens[:, None]) & attendable  # [B, L]
   # Zero values outside the request: their probability is 0, but 0 * NaN = NaN.
   values = jnp.where(in_length[:, None, :, None], values, 0.0)
 
   # Row j sees positions < S - q_len + j + 1.
   row_limits = seq_lens[:, None] - q_len + 1 + jnp.arange(q_len, dtype=jnp.int32)  # [B, q_len]
-  visible = positions[None, None, :] < row_limits[:, :, None]  # [B, q_len, L]
+  visible = (positions[None, None, :] < row_limits[:, :, None]) & attendable[:, None, :]
 
   queries = q.astype(jnp.float32).reshape(batch, q_len, num_kv_heads, group, head_dim)
   scores = jnp.einsum("bjhgd,bhld->bhgjl", queries, keys) * sm_scale  # [B, Hkv, G, q_len, L]
