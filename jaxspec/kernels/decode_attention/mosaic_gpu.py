@@ -309,7 +309,7 @@ def paged_decode_attention_mosaic_gpu(
   q_packed = q_packed.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
   q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
 
-  def kernel(
+  def paged_attention_kernel(
     block_tables_ref,  # GMEM int32 [B, max_pages]
     seq_lens_ref,  # GMEM int32 [B]
     chunk_lengths_ref,  # GMEM int32 [B] blocks per chunk when balanced, else [1] unused
@@ -603,7 +603,7 @@ def paged_decode_attention_mosaic_gpu(
   )
   scales = (k_scale, v_scale) if fp8 else ()
   partial_out, partial_lse = plgpu.kernel(
-    kernel,
+    paged_attention_kernel,
     out_type=out_type,
     scratch_types=scratch,
     grid=(num_kv_heads, row_tiles, num_items),
@@ -683,7 +683,7 @@ def merge_chunks_mosaic_gpu(
   row_tiles = padded_rows // ROWS_PER_TILE
   dtype = partial_out.dtype
 
-  def kernel(
+  def merge_chunks_kernel(
     tiles_ref,  # GMEM [B * C, Hkv, R, D]
     lse_ref,  # GMEM f32 [B * C, Hkv, R]
     out_ref,  # GMEM [B, q_len, Hq, D]
@@ -757,7 +757,7 @@ def merge_chunks_mosaic_gpu(
 
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   return plgpu.kernel(
-    kernel,
+    merge_chunks_kernel,
     out_type=jax.ShapeDtypeStruct((batch, q_len, num_kv_heads * group, head_dim), dtype),
     scratch_types=[
       plgpu.SMEM((2, ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
