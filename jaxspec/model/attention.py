@@ -12,7 +12,6 @@ the cache with the multi-row causal mask.
 """
 
 import dataclasses
-import functools
 from typing import Any, Protocol
 
 import jax
@@ -52,6 +51,13 @@ class GqaPages:
 
   k: jax.Array  # [Hkv, num_pages, page_size, D]
   v: jax.Array  # [Hkv, num_pages, page_size, D]
+  # fp8 pages only: the real value of a stored entry is entry * scale, per KV head.
+  k_scale: jax.Array | None = None  # float32 [Hkv]
+  v_scale: jax.Array | None = None  # float32 [Hkv]
+
+  @property
+  def quantized(self) -> bool:
+    return self.k_scale is not None
 
   @property
   def num_pages(self) -> int:
@@ -60,6 +66,13 @@ class GqaPages:
   @property
   def page_size(self) -> int:
     return self.k.shape[2]
+
+
+def _quantize(new: jax.Array, scale: jax.Array | None) -> jax.Array:
+  """new: [B, T, Hkv, D] -> new / scale per KV head (fp8 pages), or `new` as it is."""
+  if scale is None:
+    return new
+  return new.astype(jnp.float32) / scale[None, None, :, None]
 
 
 def write_kv_pages(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -131,9 +144,16 @@ class GqaAttention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
 
-  def init_pages(self, num_pages: int, page_size: int, dtype) -> GqaPages:
+  def init_pages(self, num_pages: int, page_size: int, dtype, kv_scale: float = 1.0) -> GqaPages:
+    """Zeroed pages; with dtype float8_e4m3fn every KV head stores values divided by `kv_scale`
+    (quantised on write, as FlashInfer and vLLM serve fp8 KV caches)."""
     shape = (self.num_kv_heads, num_pages, page_size, self.head_dim)
-    return GqaPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    pages = GqaPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+      # Two buffers: the cache is donated to every step, and one buffer cannot be donated twice.
+      k_scale, v_scale = (jnp.full((self.num_kv_heads,), kv_scale, jnp.float32) for _ in range(2))
+      pages = dataclasses.replace(pages, k_scale=k_scale, v_scale=v_scale)
+    return pages
 
   def __call__(self, x, pages: GqaPages | None, step: StepMetadata, selection=None):
     """x: [B, T, H]; pages: this layer's `GqaPages` (None in plain mode).
@@ -155,8 +175,10 @@ class GqaAttention(nnx.Module):
       valid = jnp.full((bsz,), num_tokens, jnp.int32)
       out = dense_causal_attention(q, k, v, valid, sm_scale)
     else:
-      pages = GqaPages(
-        write_kv_pages(pages.k, k, step.slot_mapping), write_kv_pages(pages.v, v, step.slot_mapping)
+      pages = dataclasses.replace(
+        pages,
+        k=write_kv_pages(pages.k, _quantize(k, pages.k_scale), step.slot_mapping),
+        v=write_kv_pages(pages.v, _quantize(v, pages.v_scale), step.slot_mapping),
       )
       if step.mode == "prefill":
         out = dense_causal_attention(q, k, v, step.seq_lens, sm_scale)
@@ -166,13 +188,24 @@ class GqaAttention(nnx.Module):
 
   def _paged_attention(self, q, pages: GqaPages, step: StepMetadata, sm_scale: float):
     """q: [B, q_len, Hq, D] -> [B, q_len, Hq, D] over the paged cache (per shard on a mesh)."""
-    attend = functools.partial(
-      paged_decode_attention,
-      sm_scale=sm_scale,
-      impl=step.kernels.attention,
-      interpret=step.kernels.interpret,
-    )
+
+    def attend(q, k, v, block_tables, seq_lens, k_scale=None, v_scale=None, impl=None):
+      return paged_decode_attention(
+        q,
+        k,
+        v,
+        block_tables,
+        seq_lens,
+        sm_scale=sm_scale,
+        impl=impl or step.kernels.attention,
+        interpret=step.kernels.interpret,
+        k_scale=k_scale,
+        v_scale=v_scale,
+      )
+
     args = (q, pages.k, pages.v, step.block_tables, step.seq_lens)
+    if pages.quantized:
+      args += (pages.k_scale, pages.v_scale)
     tp = 1 if self.mesh is None else self.mesh.shape["tp"]
     if tp == 1:
       return attend(*args)
@@ -183,12 +216,13 @@ class GqaAttention(nnx.Module):
           f"the paged attention kernel runs per shard and needs tp = {tp} <= "
           f"num_key_value_heads = {self.num_kv_heads}; use attention 'auto' or 'xla'"
         )
-      return paged_decode_attention(*args, sm_scale=sm_scale, impl="xla")
+      return attend(*args, impl="xla")
     heads, kv_heads = P(None, None, "tp", None), P("tp", None, None, None)
+    scales = (P("tp"), P("tp")) if pages.quantized else ()
     return jax.shard_map(
       attend,
       mesh=self.mesh,
-      in_specs=(heads, kv_heads, kv_heads, P(), P()),
+      in_specs=(heads, kv_heads, kv_heads, P(), P(), *scales),
       out_specs=heads,
       check_vma=False,  # Pallas kernels do not type their outputs' varying mesh axes
     )(*args)

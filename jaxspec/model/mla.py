@@ -275,7 +275,10 @@ class MlaAttention(nnx.Module):
     self.latent_dim = config.latent_dim
     self.index_head_dim = config.index_head_dim
 
-  def init_pages(self, num_pages: int, page_size: int, dtype) -> MlaPages:
+  def init_pages(self, num_pages: int, page_size: int, dtype, kv_scale: float = 1.0) -> MlaPages:
+    del kv_scale  # the latent cache is kept in 16 bits
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+      raise ValueError("fp8 KV pages serve GQA attention; the MLA latent cache stays 16-bit")
     latent = jnp.zeros((1, num_pages, page_size, self.latent_dim), dtype)
     if self.indexer is None:
       return MlaPages(latent)

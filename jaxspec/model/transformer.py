@@ -63,8 +63,8 @@ class DecoderLayer(nnx.Module):
     else:
       self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
 
-  def init_pages(self, num_pages: int, page_size: int, dtype):
-    return self.self_attn.init_pages(num_pages, page_size, dtype)
+  def init_pages(self, num_pages: int, page_size: int, dtype, kv_scale: float = 1.0):
+    return self.self_attn.init_pages(num_pages, page_size, dtype, kv_scale)
 
   def attend(self, x, pages, step: StepMetadata, selection=None):
     """x: [B, T, H] -> (x + attention, updated pages, the index selection used)."""
@@ -191,12 +191,15 @@ class GlmForCausalLM(nnx.Module):
   # The cache.
 
   def init_cache(
-    self, num_pages: int, page_size: int, *, dtype=None, draft: bool = False
+    self, num_pages: int, page_size: int, *, dtype=None, draft: bool = False, kv_scale: float = 1.0
   ) -> ModelCache:
     """Zeroed pages for every decoder layer (and the MTP layer with `draft=True`).
 
-    `dtype` defaults to the model's parameter dtype.
+    `dtype` defaults to the model's parameter dtype; `float8_e4m3fn` gives fp8 KV pages (GQA),
+    written as value / `kv_scale` and read back times it.
     """
+    if not isinstance(kv_scale, (int, float)) or not 0 < kv_scale < float("inf"):
+      raise ValueError(f"kv_scale must be a positive finite number, got {kv_scale!r}")
     for name, value in (("num_pages", num_pages), ("page_size", page_size)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -205,8 +208,12 @@ class GlmForCausalLM(nnx.Module):
     dtype = self.dtype if dtype is None else dtype
 
     def create():
-      layers = tuple(layer.init_pages(num_pages, page_size, dtype) for layer in self.model.layers)
-      draft_pages = self.mtp.layer.init_pages(num_pages, page_size, dtype) if draft else None
+      layers = tuple(
+        layer.init_pages(num_pages, page_size, dtype, kv_scale) for layer in self.model.layers
+      )
+      draft_pages = (
+        self.mtp.layer.init_pages(num_pages, page_size, dtype, kv_scale) if draft else None
+      )
       return ModelCache(layers, draft_pages)
 
     if self.mesh is None:

@@ -31,6 +31,7 @@ from jaxspec.serving.sampling import GREEDY, SamplingParams
 from jaxspec.serving.steps import decode_step, prefill_step
 
 MAX_LOOKAHEAD = 8
+KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")  # "auto": the model's dtype
 
 
 def _is_int(value) -> bool:
@@ -43,8 +44,9 @@ class EngineConfig:
 
   `num_pages` defaults to enough pages for `max_batch_size` requests of `max_seq_len` tokens.
   `attention_impl` picks `paged_decode_attention`'s implementation and `index_conversion_impl`
-  (default: the same) `convert_topk_to_physical`'s, for GLM-5 models. `shuffle_pages_seed` hands
-  pages out in random order (tests use it).
+  (default: the same) `convert_topk_to_physical`'s, for GLM-5 models. `kv_cache_dtype`
+  "float8_e4m3fn" keeps the KV pages in fp8 (half the bytes to read; GQA models), quantised on
+  write as value / `kv_scale`. `shuffle_pages_seed` hands pages out in random order (tests).
   """
 
   max_batch_size: int = 8
@@ -54,6 +56,8 @@ class EngineConfig:
   min_prompt_bucket: int = 16
   attention_impl: str = "auto"
   index_conversion_impl: str | None = None
+  kv_cache_dtype: str = "auto"
+  kv_scale: float = 1.0
   shuffle_pages_seed: int | None = None
 
   def __post_init__(self):
@@ -70,6 +74,16 @@ class EngineConfig:
       raise ValueError(
         f"EngineConfig.shuffle_pages_seed must be an int or None, got {self.shuffle_pages_seed!r}"
       )
+    if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(
+        f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+      )
+    if (
+      isinstance(self.kv_scale, bool)
+      or not isinstance(self.kv_scale, (int, float))
+      or not (0 < self.kv_scale < float("inf"))
+    ):
+      raise ValueError(f"EngineConfig.kv_scale must be a positive number, got {self.kv_scale!r}")
     for name in ("attention_impl", "index_conversion_impl"):
       value = getattr(self, name)
       if value not in IMPLS and not (value is None and name == "index_conversion_impl"):
@@ -270,8 +284,13 @@ class Generator:
     self.cache = self._new_cache()
 
   def _new_cache(self) -> ModelCache:
+    cfg = self.config
     return self.model.init_cache(
-      self.config.total_pages, self.config.page_size, draft=self.strategy.needs_draft_cache
+      cfg.total_pages,
+      cfg.page_size,
+      dtype=None if cfg.kv_cache_dtype == "auto" else jnp.dtype(cfg.kv_cache_dtype),
+      draft=self.strategy.needs_draft_cache,
+      kv_scale=cfg.kv_scale,
     )
 
   def generate(

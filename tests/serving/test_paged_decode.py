@@ -24,7 +24,9 @@ from jaxspec.model.config import tiny
 from jaxspec.model.dsa_config import tiny_dsa
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.mla import MlaPages
+from jaxspec.serving.engine import EngineConfig
 from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
 from jaxspec.serving.steps import decode_metadata, prefill_metadata
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -185,3 +187,46 @@ def test_init_cache_rejects_bad_sizes_and_a_missing_draft_layer():
     model.init_cache(4, 2.5)
   with pytest.raises(ValueError, match="MTP layer"):
     model.init_cache(4, 16, draft=True)
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 0.01])
+def test_fp8_cache_stores_each_key_and_value_to_e4m3_precision(kv_scale):
+  """KV pages in float8_e4m3fn: the cache writer quantises value / kv_scale; read back times the
+  scale, every entry is within e4m3's rounding (3 mantissa bits: relative 2^-4, and the subnormal
+  step 2^-9 near zero) of the float32 cache's entry."""
+  page_size, total = 4, 11
+  model, tokens, _, block_tables, cache32 = _setup("glm4_moe_a", page_size, total, 5)
+  graphdef, params = nnx.split(model)
+  cache8 = model.init_cache(
+    cache32.num_pages, page_size, dtype=jnp.float8_e4m3fn, kv_scale=kv_scale
+  )
+  prompt_lens = np.array([6, 2], np.int32)
+  _, cache32 = _prefill(graphdef, params, cache32, tokens[:, :6], prompt_lens, block_tables)
+  _, cache8 = _prefill(graphdef, params, cache8, tokens[:, :6], prompt_lens, block_tables)
+  for pages8, pages32 in zip(cache8.layers, cache32.layers, strict=True):
+    chex.assert_type([pages8.k, pages8.v], jnp.float8_e4m3fn)
+    pairs = ((pages8.k, pages8.k_scale, pages32.k), (pages8.v, pages8.v_scale, pages32.v))
+    for stored, scale, exact in pairs:
+      for b, n in enumerate(prompt_lens):
+        pages = np.asarray(block_tables[b])
+        for t in range(n):
+          page, offset = pages[t // page_size], t % page_size
+          got = np.asarray(stored[:, page, offset].astype(jnp.float32)) * np.asarray(scale)[:, None]
+          want = np.asarray(exact[:, page, offset])
+          bound = 2.0**-4 * np.abs(want) + 2.0**-9 * kv_scale
+          assert (np.abs(got - want) <= bound).all()
+
+
+def test_fp8_cache_serves_generation():
+  """An engine with fp8 KV pages decodes the same prompt end to end; its first greedy tokens
+  agree with the 16-bit cache's (later ones may drift with e4m3 rounding)."""
+  model = jaxspec.load_pretrained(FIXTURES / "glm4_moe_a", dtype=jnp.float32)
+  prompt = np.load(FIXTURES / "glm4_moe_a" / "reference.npz")["prompt_ids"][0].tolist()
+  outputs = {}
+  for dtype in ("auto", "float8_e4m3fn"):
+    engine = EngineConfig(max_batch_size=1, max_seq_len=32, page_size=4, kv_cache_dtype=dtype)
+    outputs[dtype] = SpeculativeGenerator(model, engine, SpeculativeConfig(3)).generate(
+      [prompt], max_new_tokens=12, stop_token_ids=()
+    )
+  assert outputs["float8_e4m3fn"].tokens[0][0] == outputs["auto"].tokens[0][0]
+  assert len(outputs["float8_e4m3fn"].tokens[0]) == 12
