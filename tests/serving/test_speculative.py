@@ -134,9 +134,9 @@ def _moe_calls(monkeypatch, prune, model, batch, q_len):
   calls = []
   original = moe_module.MoE.__call__
 
-  def recording(self, x, *, moe_impl):
+  def recording(self, x, *, moe_impl, interpret=False):
     calls.append((x.shape, moe_impl))
-    return original(self, x, moe_impl=moe_impl)
+    return original(self, x, moe_impl=moe_impl, interpret=interpret)
 
   monkeypatch.setattr(moe_module.MoE, "__call__", recording)
   generator = SpeculativeGenerator(model, ENGINE, SpeculativeConfig(q_len - 1))
