@@ -104,8 +104,10 @@ def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None]) ->
 def param_axes(model: nnx.Module) -> dict[tuple, tuple]:
   """Logical axes of every parameter that declares them, by NNX path (others: replicated)."""
   axes = {}
-  for path, module in nnx.iter_modules(model):
-    for name, names in getattr(module, "param_axes", ()):
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, nnx.Module):
+      continue
+    for name, names in getattr(node, "param_axes", ()):
       axes[(*path, name)] = names
   return axes
 
