@@ -150,6 +150,8 @@ class TrainConfig:
       )
     if self.time_budget_s is not None and not self.time_budget_s > 0:
       raise ValueError(f"time_budget_s must be positive, got {self.time_budget_s}")
+    if self.time_budget_s is not None and self.warmup_steps < 3:
+      raise ValueError("time_budget_s times the warm-up steps: warmup_steps must be at least 3")
 
 
 def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -159,6 +161,22 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
   progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
   cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
   return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+def steps_within_budget(
+  config: TrainConfig, step: int, elapsed_s: float, per_step_s: float, eval_s: float
+) -> int:
+  """The total step count that fits `config.time_budget_s`, `elapsed_s` into the run at `step`.
+
+  Left for training: the budget less the time spent, the final evaluation and `TAIL_RESERVE_S`
+  (demo samples, saving, plotting); each step also carries its share of the periodic
+  evaluations, and 3% of the rest is kept as a margin. Never more than `config.steps`, never less
+  than the warm-up plus one step.
+  """
+  left = config.time_budget_s - elapsed_s - eval_s - TAIL_RESERVE_S
+  per_step_with_eval = per_step_s + eval_s / config.eval_every
+  total = min(config.steps, step + int(0.97 * max(0.0, left) / per_step_with_eval))
+  return max(total, config.warmup_steps + 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -525,7 +543,10 @@ def train(
   eval_s = time.perf_counter() - eval_start
   total_steps = config.steps
   key = jax.random.key(config.seed)
-  calibrate_from, calibrate_to = 5, min(config.warmup_steps, 35)
+  # The step time is measured within the warm-up, whose learning rates do not depend on the total
+  # (the cosine's do); step 0 compiles, so the measurement starts later.
+  calibrate_to = min(config.warmup_steps, 35)
+  calibrate_from = 5 if calibrate_to >= 15 else 1
   bar = tqdm(range(config.steps), desc="train", unit="step", disable=not progress)
   train_start = time.perf_counter()
   for step in bar:
@@ -537,13 +558,8 @@ def train(
         calibrate_start = time.perf_counter()
       else:
         per_step = (time.perf_counter() - calibrate_start) / (calibrate_to - calibrate_from)
-        # Left for training: the budget less the time spent, the final evaluation, samples,
-        # saving and plotting (TAIL_RESERVE_S), and a 3% margin for the periodic evaluations'
-        # host work.
-        left = config.time_budget_s - (time.perf_counter() - wall_start) - eval_s - TAIL_RESERVE_S
-        per_step_with_eval = per_step + eval_s / config.eval_every
-        total_steps = min(config.steps, step + int(0.97 * left / per_step_with_eval))
-        total_steps = max(total_steps, config.warmup_steps + 1)
+        elapsed = time.perf_counter() - wall_start
+        total_steps = steps_within_budget(config, step, elapsed, per_step, eval_s)
         bar.total = total_steps
     lr = learning_rate(step, total_steps, config)
     metrics = trainer.train_step(stream, jax.random.fold_in(key, step), lr)

@@ -48,6 +48,16 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
   assert rates[-1] == pytest.approx(1e-4, rel=0.01)
 
 
+def test_time_budget_fits_the_steps_to_the_time_left():
+  config = trainer.TrainConfig(steps=10_000, warmup_steps=100, eval_every=100, time_budget_s=500)
+  # 100 s spent at step 35; 0.1 s per step; 2 s per evaluation (0.02 s per step).
+  left = 500 - 100 - 2 - trainer.TAIL_RESERVE_S
+  expected = 35 + int(0.97 * left / 0.12)
+  assert trainer.steps_within_budget(config, 35, 100.0, 0.1, 2.0) == expected
+  assert trainer.steps_within_budget(config, 35, 100.0, 0.001, 2.0) == 10_000  # the cap
+  assert trainer.steps_within_budget(config, 35, 600.0, 0.1, 2.0) == 101  # past the budget
+
+
 def test_smoke_run_honours_its_flags_and_lowers_train_and_held_out_losses(smoke_run):
   _, log = smoke_run
   assert log["train_config"] == dataclasses.asdict(cli.SMOKE) | {"eval_every": 15}
