@@ -6,7 +6,9 @@ and `tokenizer.json` and the prompt's length are checked before any weight is lo
 """
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -57,11 +59,17 @@ def _build_parser() -> argparse.ArgumentParser:
     help="tokens to generate (prompt + new tokens <= the model's max_position_embeddings)",
   )
   gen.add_argument(
-    "--temperature", type=argtypes.float_in(0.0), default=0.0, help="0 = greedy (lossless)"
+    "--temperature",
+    type=argtypes.float_in(0.0),
+    help="0 = greedy (lossless); default: the checkpoint's generation_config.json, else 0",
   )
-  gen.add_argument("--top-k", type=argtypes.int_in(0), default=0, help="0 = off")
   gen.add_argument(
-    "--top-p", type=argtypes.float_in(0.0, 1.0, low_open=True), default=1.0, help="1.0 = off"
+    "--top-k", type=argtypes.int_in(0), help="0 = off; default: generation_config.json, else 0"
+  )
+  gen.add_argument(
+    "--top-p",
+    type=argtypes.float_in(0.0, 1.0, low_open=True),
+    help="1.0 = off; default: generation_config.json, else 1.0",
   )
   gen.add_argument("--seed", type=argtypes.seed, default=0, help=f"0..{argtypes.MAX_SEED}")
   gen.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
@@ -128,6 +136,37 @@ def _checked_model_dir(parser: argparse.ArgumentParser, model: str | None):
   return directory, config, tokenizer
 
 
+def _sampling(parser: argparse.ArgumentParser, directory: Path, args) -> SamplingParams:
+  """Sampling settings: the options given, else the checkpoint's `generation_config.json`.
+
+  Hugging Face's convention: `do_sample` false (or no file) is greedy; otherwise `temperature`,
+  `top_p` and `top_k` apply (transformers' defaults 1.0, 1.0 and 50 where a field is missing).
+  """
+  recommended = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+  path = directory / "generation_config.json"
+  if path.is_file():
+    try:
+      raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+      parser.error(f"--model {directory}: cannot read generation_config.json: {error}")
+    if raw.get("do_sample"):
+      recommended = {
+        "temperature": raw.get("temperature", 1.0),
+        "top_p": raw.get("top_p", 1.0),
+        "top_k": raw.get("top_k", 50),
+      }
+    for name, value in recommended.items():
+      kind = int if name == "top_k" else (int, float)
+      if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+        parser.error(f"--model {directory}: generation_config.json has {name} {value!r}")
+  given = {name: getattr(args, name) for name in recommended if getattr(args, name) is not None}
+  try:
+    sampling = SamplingParams(**(recommended | given))
+  except (TypeError, ValueError) as error:
+    parser.error(f"--model {directory}: generation_config.json: {error}")
+  return SamplingParams() if sampling.greedy else sampling  # greedy ignores top-k / top-p
+
+
 def _load_weights(parser, directory: Path, dtype: str):
   try:
     return load_pretrained(directory, dtype=_DTYPES[dtype])
@@ -135,13 +174,12 @@ def _load_weights(parser, directory: Path, dtype: str):
     parser.error(f"--model {directory}: {error}")
 
 
-def _run(model, prompt_ids, args, spec_tokens: int) -> dict:
+def _run(model, prompt_ids, args, sampling: SamplingParams, spec_tokens: int) -> dict:
   """Generates with plain decoding (spec_tokens 0) or MTP speculation; returns the metrics.
 
   A two-token warm-up run on the same shapes compiles every step first, so the reported
   throughput and latencies exclude compilation.
   """
-  sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
   engine_config = EngineConfig(
     max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens, page_size=args.page_size
   )
@@ -167,7 +205,8 @@ def _run(model, prompt_ids, args, spec_tokens: int) -> dict:
 def generate(args) -> dict:
   parser = args.command_parser
   directory, config, tokenizer = _checked_model_dir(parser, args.model)
-  if args.top_k > config.vocab_size:
+  sampling = _sampling(parser, directory, args)
+  if sampling.top_k > config.vocab_size:
     parser.error(f"--top-k must be at most the vocabulary size ({config.vocab_size})")
   prompt_ids = tokenizer.encode(args.prompt)
   if not prompt_ids:
@@ -183,17 +222,19 @@ def generate(args) -> dict:
   model = _load_weights(parser, directory, args.dtype)
   if args.spec_tokens and model.mtp is None:
     parser.error(f"{model_name} has no MTP weights; use --spec-tokens 0")
-  run = _run(model, prompt_ids, args, args.spec_tokens)
+  run = _run(model, prompt_ids, args, sampling, args.spec_tokens)
   result = {
     "model": model_name,
     "device": jax.devices()[0].device_kind,
     "prompt": args.prompt,
+    "seed": args.seed,
     "text": tokenizer.decode(run["tokens"]),
     "spec_tokens": args.spec_tokens,
+    "sampling": dataclasses.asdict(sampling),
     **run,
   }
   if args.compare:
-    baseline = _run(model, prompt_ids, args, 0)
+    baseline = _run(model, prompt_ids, args, sampling, 0)
     result["baseline"] = {k: baseline[k] for k in ("tokens_per_s", "tpot_s", "itl_s", "ttft_s")}
     result["baseline"]["same_tokens"] = baseline["tokens"] == run["tokens"]
     result["speedup"] = run["tokens_per_s"] / baseline["tokens_per_s"]
@@ -203,9 +244,18 @@ def generate(args) -> dict:
 def _print_report(result) -> None:
   print(f"model: {result['model']}")
   print(f"{result['prompt']}{result['text']}")
+  sampling = result["sampling"]
+  if sampling["temperature"] == 0:
+    decoding = "greedy"
+  else:
+    decoding = (
+      f"sampled at temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, "
+      f"top-k {sampling['top_k'] or 'off'}, seed {result['seed']} (--temperature 0: greedy)"
+    )
   lines = [
+    f"-- {decoding}",
     f"-- {len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tok/s, "
-    f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms"
+    f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms",
   ]
   if result["spec_tokens"]:
     per_position = ", ".join(f"{a:.2f}" for a in result["per_position_acceptance"])

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.__main__ import main
+from jaxspec.__main__ import DEFAULT_MODEL, _sampling, main
+from jaxspec.serving.sampling import SamplingParams
 from jaxspec.training import cli as train_cli
 
 ROOT = Path(__file__).parents[1]
@@ -159,6 +160,38 @@ def test_bad_argument_is_one_error_line_and_exit_status_2(argv, message, capsys,
   assert len(errors) == 1, stderr
   assert message in errors[0], stderr
   assert "Traceback" not in stderr
+
+
+def _checkpoint_with_generation_config(tmp_path, generation_config: str):
+  for name in ("config.json", "tokenizer.json", "model.safetensors"):
+    (tmp_path / name).symlink_to(DEFAULT_MODEL / name)
+  (tmp_path / "generation_config.json").write_text(generation_config)
+  return tmp_path
+
+
+@pytest.mark.parametrize(
+  "contents", ['{"do_sample": true, "temperature": NaN}', '{"do_sample": true, "top_k": 2.5}']
+)
+def test_bad_generation_config_is_an_argument_error(tmp_path, capsys, no_weights, contents):
+  model = _checkpoint_with_generation_config(tmp_path, contents)
+  with pytest.raises(SystemExit) as exit_info:
+    main(GENERATE + ["--model", str(model)])
+  assert exit_info.value.code == 2
+  assert "generation_config.json has" in capsys.readouterr().err
+
+
+def test_sampling_defaults_come_from_generation_config_and_options_override_them(tmp_path):
+  parser = argparse.ArgumentParser()
+  unset = argparse.Namespace(temperature=None, top_p=None, top_k=None)
+  assert _sampling(parser, tmp_path, unset) == SamplingParams()  # no file: greedy
+  model = _checkpoint_with_generation_config(
+    tmp_path, '{"do_sample": true, "temperature": 0.7, "top_p": 0.95, "top_k": 0}'
+  )
+  assert _sampling(parser, model, unset) == SamplingParams(temperature=0.7, top_p=0.95)
+  greedy = argparse.Namespace(temperature=0.0, top_p=None, top_k=None)
+  assert _sampling(parser, model, greedy) == SamplingParams()
+  (model / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.7}')
+  assert _sampling(parser, model, unset) == SamplingParams()
 
 
 def test_argv_that_is_not_utf8_is_an_argument_error():

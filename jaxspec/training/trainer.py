@@ -163,6 +163,20 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
   return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
 
+# How `python -m jaxspec generate` decodes this model unless told otherwise (Hugging Face's
+# generation_config.json). A model this small loops under greedy decoding far more often than
+# when sampled (Holtzman et al., 2019); `--temperature 0` gives greedy, lossless decoding.
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "top_k": 0}
+
+
+def generation_config(model_config: GlmConfig) -> dict:
+  """`generation_config.json`: the recommended sampling and the special tokens."""
+  return RECOMMENDED_SAMPLING | {
+    "eos_token_id": model_config.eos_token_id,
+    "pad_token_id": model_config.pad_token_id,
+  }
+
+
 def steps_within_budget(
   config: TrainConfig, step: int, elapsed_s: float, per_step_s: float, eval_s: float
 ) -> int:
@@ -593,9 +607,11 @@ def train(
   with staging.staged_directory(output_dir, overwrite) as directory:
     save_pretrained(model, directory, dtype=jnp.bfloat16)
     bpe.save_tokenizer(tokenizer, directory)
+    with open(directory / "generation_config.json", "w") as f:
+      json.dump(generation_config(model_config), f, indent=2)
     log["checkpoint_bytes"] = sum(
       (directory / name).stat().st_size
-      for name in ("config.json", "model.safetensors", "tokenizer.json")
+      for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
     )
     log["timing"] = {
       "data_and_tokenizer_s": data_s,

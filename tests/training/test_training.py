@@ -83,7 +83,14 @@ def test_overwrite_replaces_the_whole_directory_and_leaves_no_temporary(smoke_ru
   output_dir, log = smoke_run
   names = sorted(p.name for p in output_dir.iterdir())
   assert names == sorted(
-    ["config.json", "model.safetensors", "tokenizer.json", "training_log.json", "loss.png"]
+    [
+      "config.json",
+      "generation_config.json",
+      "model.safetensors",
+      "tokenizer.json",
+      "training_log.json",
+      "loss.png",
+    ]
   )
   assert (output_dir / "model.safetensors").read_bytes() != b"an older checkpoint"
   temporary = f".{output_dir.name}."  # staging and previous-checkpoint directories
