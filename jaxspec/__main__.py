@@ -136,7 +136,9 @@ def _checked_model_dir(parser: argparse.ArgumentParser, model: str | None):
   return directory, config, tokenizer
 
 
-def _sampling(parser: argparse.ArgumentParser, directory: Path, args) -> SamplingParams:
+def _sampling(
+  parser: argparse.ArgumentParser, directory: Path, args, vocab_size: int
+) -> SamplingParams:
   """Sampling settings: the options given, else the checkpoint's `generation_config.json`.
 
   Hugging Face's convention: `do_sample` false (or no file) is greedy; otherwise `temperature`,
@@ -160,6 +162,8 @@ def _sampling(parser: argparse.ArgumentParser, directory: Path, args) -> Samplin
       if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
         parser.error(f"--model {directory}: generation_config.json has {name} {value!r}")
   given = {name: getattr(args, name) for name in recommended if getattr(args, name) is not None}
+  if given.get("top_k", 0) > vocab_size:
+    parser.error(f"--top-k must be at most the vocabulary size ({vocab_size})")
   try:
     sampling = SamplingParams(**(recommended | given))
   except (TypeError, ValueError) as error:
@@ -205,9 +209,7 @@ def _run(model, prompt_ids, args, sampling: SamplingParams, spec_tokens: int) ->
 def generate(args) -> dict:
   parser = args.command_parser
   directory, config, tokenizer = _checked_model_dir(parser, args.model)
-  sampling = _sampling(parser, directory, args)
-  if sampling.top_k > config.vocab_size:
-    parser.error(f"--top-k must be at most the vocabulary size ({config.vocab_size})")
+  sampling = _sampling(parser, directory, args, config.vocab_size)
   prompt_ids = tokenizer.encode(args.prompt)
   if not prompt_ids:
     parser.error("--prompt encodes to no tokens")

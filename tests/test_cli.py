@@ -183,15 +183,15 @@ def test_bad_generation_config_is_an_argument_error(tmp_path, capsys, no_weights
 def test_sampling_defaults_come_from_generation_config_and_options_override_them(tmp_path):
   parser = argparse.ArgumentParser()
   unset = argparse.Namespace(temperature=None, top_p=None, top_k=None)
-  assert _sampling(parser, tmp_path, unset) == SamplingParams()  # no file: greedy
+  assert _sampling(parser, tmp_path, unset, 2048) == SamplingParams()  # no file: greedy
   model = _checkpoint_with_generation_config(
     tmp_path, '{"do_sample": true, "temperature": 0.7, "top_p": 0.95, "top_k": 0}'
   )
-  assert _sampling(parser, model, unset) == SamplingParams(temperature=0.7, top_p=0.95)
+  assert _sampling(parser, model, unset, 2048) == SamplingParams(temperature=0.7, top_p=0.95)
   greedy = argparse.Namespace(temperature=0.0, top_p=None, top_k=None)
-  assert _sampling(parser, model, greedy) == SamplingParams()
+  assert _sampling(parser, model, greedy, 2048) == SamplingParams()
   (model / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.7}')
-  assert _sampling(parser, model, unset) == SamplingParams()
+  assert _sampling(parser, model, unset, 2048) == SamplingParams()
 
 
 def test_argv_that_is_not_utf8_is_an_argument_error():
