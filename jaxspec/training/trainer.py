@@ -549,6 +549,11 @@ def train(
     metrics = {"step": step, **trainer.evaluate(held_out)}
     metrics["lm_bits_per_byte"] = metrics["lm_loss"] * bits_per_nat_byte
     log["evals"].append(metrics)
+    tqdm.write(
+      f"step {step}: held-out CE {metrics['lm_loss']:.3f} ({metrics['lm_bits_per_byte']:.3f} "
+      f"bits/byte), MTP agreement {metrics['mtp_agreement']:.3f}, tokens/step (k=3, teacher-"
+      f"forced) {metrics['tokens_per_step_k3']:.2f}; {time.perf_counter() - wall_start:.0f} s"
+    )
     return metrics
 
   run_eval(0)
@@ -575,6 +580,10 @@ def train(
         elapsed = time.perf_counter() - wall_start
         total_steps = steps_within_budget(config, step, elapsed, per_step, eval_s)
         bar.total = total_steps
+        tqdm.write(
+          f"time budget: {per_step * 1e3:.1f} ms per step, {eval_s:.1f} s per evaluation, "
+          f"{elapsed:.0f} s spent: {total_steps} steps"
+        )
     lr = learning_rate(step, total_steps, config)
     metrics = trainer.train_step(stream, jax.random.fold_in(key, step), lr)
     if step % config.log_every == 0 or step == total_steps - 1:
