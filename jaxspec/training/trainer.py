@@ -42,10 +42,6 @@ from jaxspec.training import bpe, corpus, staging
 from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
 MOE_IMPL = "grouped"  # training runs every token through the experts: one grouped GEMM each
-DEMO_NEW_TOKENS = 96  # greedy tokens per demo prompt in the log (issue 16's bar)
-# Seconds a time-budgeted run keeps for its end: demo samples (one compile, 6 x 96 forwards),
-# saving, the plot.
-TAIL_RESERVE_S = 20.0
 
 
 def default_model_config(vocab_size: int) -> GlmConfig:
@@ -166,6 +162,11 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
   cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
   return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
+
+DEMO_NEW_TOKENS = 96  # greedy tokens per demo prompt in the log (issue 16's bar)
+# Seconds a time-budgeted run keeps for its end: demo samples (one compile, 6 x 96 forwards),
+# saving, the plot.
+TAIL_RESERVE_S = 20.0
 
 # How `python -m jaxspec generate` decodes this model unless told otherwise (Hugging Face's
 # generation_config.json). A model this small loops under greedy decoding far more often than
