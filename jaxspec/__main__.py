@@ -1,32 +1,45 @@
-"""Command line: `python -m jaxspec generate --prompt TEXT [options]`."""
+"""Command line: `python -m jaxspec generate --prompt TEXT [options]`, `evaluate`, `train`.
+
+Every bad argument is one `error:` line on stderr and exit status 2, as argparse reports them:
+ranges are argparse types (`jaxspec.argtypes`), and the checkpoint directory, its `config.json`
+and `tokenizer.json` and the prompt's length are checked before any weight is loaded.
+"""
 
 import argparse
+import dataclasses
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.evaluation import EvalConfig, evaluate, format_table
-from jaxspec.model.weights import load_pretrained
-from jaxspec.serving.engine import EngineConfig, Generator
+from jaxspec import argtypes
+from jaxspec.evaluation import EvalConfig, evaluate, format_table, held_out_prompts
+from jaxspec.model.weights import load_pretrained, read_config
+from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
 from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
-from jaxspec.tokenizer import load_tokenizer
+from jaxspec.tokenizer import HfTokenizer
 from jaxspec.training.cli import add_train_parser, run_train
 
-# A 5M-parameter GLM-4.5-style MoE with its MTP layer, trained on the Python standard library
-# (`python -m jaxspec train`); shipped inside the package.
+# A GLM-4.5-style MoE with its MTP layer, trained on Python sources (`python -m jaxspec train`);
+# shipped inside the package.
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
+DEFAULT_MODEL_NAME = "jaxspec default (GLM-4.5-style MoE + MTP, trained on Python sources)"
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+MAX_SPEC_TOKENS = MAX_LOOKAHEAD - 1  # k draft tokens + 1 verified row fit the lookahead
+MAX_PAGE_SIZE = 1024
 
 
 def _build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m jaxspec", description=__doc__)
   commands = parser.add_subparsers(dest="command", required=True)
   gen = commands.add_parser("generate", help="generate a continuation of a prompt")
+  gen.set_defaults(command_parser=gen)
   gen.add_argument("--prompt", required=True, help="text to continue")
   gen.add_argument(
     "--model",
@@ -34,15 +47,33 @@ def _build_parser() -> argparse.ArgumentParser:
     "*.safetensors, tokenizer.json); default: the embedded model",
   )
   gen.add_argument(
-    "--spec-tokens", type=int, default=3, help="draft tokens per step (k); 0 = plain decoding"
+    "--spec-tokens",
+    type=argtypes.int_in(0, MAX_SPEC_TOKENS),
+    default=3,
+    help=f"draft tokens per step (k, 0..{MAX_SPEC_TOKENS}); 0 = plain decoding",
   )
-  gen.add_argument("--max-new-tokens", type=int, default=64)
-  gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-  gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-  gen.add_argument("--seed", type=int, default=0)
+  gen.add_argument(
+    "--max-new-tokens",
+    type=argtypes.positive_int,
+    default=64,
+    help="tokens to generate (prompt + new tokens <= the model's max_position_embeddings)",
+  )
+  gen.add_argument(
+    "--temperature",
+    type=argtypes.float_in(0.0),
+    help="0 = greedy (lossless); default: the checkpoint's generation_config.json, else 0",
+  )
+  gen.add_argument(
+    "--top-k", type=argtypes.int_in(0), help="0 = off; default: generation_config.json, else 0"
+  )
+  gen.add_argument(
+    "--top-p",
+    type=argtypes.float_in(0.0, 1.0, low_open=True),
+    help="1.0 = off; default: generation_config.json, else 1.0",
+  )
+  gen.add_argument("--seed", type=argtypes.seed, default=0, help=f"0..{argtypes.MAX_SEED}")
   gen.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-  gen.add_argument("--page-size", type=int, default=16)
+  gen.add_argument("--page-size", type=argtypes.int_in(1, MAX_PAGE_SIZE), default=16)
   gen.add_argument(
     "--compare",
     action="store_true",
@@ -53,25 +84,106 @@ def _build_parser() -> argparse.ArgumentParser:
   ev = commands.add_parser(
     "evaluate", help="acceptance per draft position on held-out stdlib files, for each k"
   )
+  ev.set_defaults(command_parser=ev)
   ev.add_argument("--model", help="checkpoint directory; default: the embedded model")
-  ev.add_argument("--spec-tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-  ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-  ev.add_argument("--num-prompts", type=int, default=16)
-  ev.add_argument("--prompt-tokens", type=int, default=96)
-  ev.add_argument("--max-new-tokens", type=int, default=64)
-  ev.add_argument("--seed", type=int, default=0)
+  ev.add_argument(
+    "--spec-tokens",
+    type=argtypes.int_in(1, MAX_SPEC_TOKENS),
+    nargs="+",
+    default=[1, 2, 3, 4, 5],
+  )
+  ev.add_argument("--temperatures", type=argtypes.float_in(0.0), nargs="+", default=[0.0, 0.7])
+  ev.add_argument("--num-prompts", type=argtypes.positive_int, default=16)
+  ev.add_argument("--prompt-tokens", type=argtypes.positive_int, default=96)
+  ev.add_argument("--max-new-tokens", type=argtypes.positive_int, default=64)
+  ev.add_argument("--seed", type=argtypes.seed, default=0)
   ev.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
   ev.add_argument("--json", action="store_true", help="print the rows as JSON")
   return parser
 
 
-def _run(model, prompt_ids, args, spec_tokens: int) -> dict:
+def _checked_model_dir(parser: argparse.ArgumentParser, model: str | None):
+  """(directory, config, tokenizer) of `--model`; a parser error for anything unusable.
+
+  Reads only `config.json` and `tokenizer.json`: a broken checkpoint is reported before its
+  weights are read.
+  """
+  directory = Path(model) if model is not None else DEFAULT_MODEL
+  if not directory.exists():
+    parser.error(f"--model {directory}: no such directory")
+  if not directory.is_dir():
+    parser.error(f"--model {directory}: not a directory")
+  if not os.access(directory, os.R_OK | os.X_OK):
+    parser.error(f"--model {directory}: directory not readable")
+  try:
+    config = read_config(directory / "config.json")
+  except (OSError, ValueError, TypeError, KeyError) as error:
+    parser.error(f"--model {directory}: cannot read config.json: {error}")
+  tokenizer_path = directory / "tokenizer.json"
+  if not tokenizer_path.is_file():
+    parser.error(f"--model {directory}: no tokenizer.json (a checkpoint needs one to read text)")
+  try:
+    tokenizer = HfTokenizer(tokenizer_path)
+  except Exception as error:  # `tokenizers` raises a bare Exception for a malformed file
+    parser.error(f"--model {directory}: cannot read tokenizer.json: {error}")
+  if tokenizer.vocab_size > config.vocab_size:
+    parser.error(
+      f"--model {directory}: tokenizer.json has {tokenizer.vocab_size} tokens, more than the "
+      f"model's vocab_size {config.vocab_size}"
+    )
+  if not any(directory.glob("*.safetensors")):
+    parser.error(f"--model {directory}: no *.safetensors weights")
+  return directory, config, tokenizer
+
+
+def _sampling(
+  parser: argparse.ArgumentParser, directory: Path, args, vocab_size: int
+) -> SamplingParams:
+  """Sampling settings: the options given, else the checkpoint's `generation_config.json`.
+
+  Hugging Face's convention: `do_sample` false (or no file) is greedy; otherwise `temperature`,
+  `top_p` and `top_k` apply (transformers' defaults 1.0, 1.0 and 50 where a field is missing).
+  """
+  recommended = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+  path = directory / "generation_config.json"
+  if path.is_file():
+    try:
+      raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+      parser.error(f"--model {directory}: cannot read generation_config.json: {error}")
+    if raw.get("do_sample"):
+      recommended = {
+        "temperature": raw.get("temperature", 1.0),
+        "top_p": raw.get("top_p", 1.0),
+        "top_k": raw.get("top_k", 50),
+      }
+    for name, value in recommended.items():
+      kind = int if name == "top_k" else (int, float)
+      if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+        parser.error(f"--model {directory}: generation_config.json has {name} {value!r}")
+  given = {name: getattr(args, name) for name in recommended if getattr(args, name) is not None}
+  if given.get("top_k", 0) > vocab_size:
+    parser.error(f"--top-k must be at most the vocabulary size ({vocab_size})")
+  try:
+    sampling = SamplingParams(**(recommended | given))
+  except (TypeError, ValueError) as error:
+    parser.error(f"--model {directory}: generation_config.json: {error}")
+  return SamplingParams() if sampling.greedy else sampling  # greedy ignores top-k / top-p
+
+
+def _load_weights(parser, directory: Path, dtype: str):
+  try:
+    return load_pretrained(directory, dtype=_DTYPES[dtype])
+  except (OSError, ValueError) as error:
+    parser.error(f"--model {directory}: {error}")
+
+
+def _run(model, prompt_ids, args, sampling: SamplingParams, spec_tokens: int) -> dict:
   """Generates with plain decoding (spec_tokens 0) or MTP speculation; returns the metrics.
 
   A two-token warm-up run on the same shapes compiles every step first, so the reported
   throughput and latencies exclude compilation.
   """
-  sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
   engine_config = EngineConfig(
     max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens, page_size=args.page_size
   )
@@ -91,28 +203,36 @@ def _run(model, prompt_ids, args, spec_tokens: int) -> dict:
 
 
 def generate(args) -> dict:
-  if not 0 <= args.spec_tokens <= 7:
-    raise SystemExit(f"error: --spec-tokens must be in 0..7, got {args.spec_tokens}")
-  model_dir = args.model or DEFAULT_MODEL
-  model = load_pretrained(model_dir, dtype=_DTYPES[args.dtype])
-  tokenizer = load_tokenizer(model_dir)
-  model_name = args.model or "jaxspec default (5M GLM-4.5-style MoE + MTP, Python stdlib)"
-  if args.spec_tokens and model.mtp is None:
-    raise SystemExit(f"error: {model_name} has no MTP layer; use --spec-tokens 0")
+  parser = args.command_parser
+  directory, config, tokenizer = _checked_model_dir(parser, args.model)
+  sampling = _sampling(parser, directory, args, config.vocab_size)
   prompt_ids = tokenizer.encode(args.prompt)
   if not prompt_ids:
-    raise SystemExit("error: --prompt encodes to no tokens")
-  run = _run(model, prompt_ids, args, args.spec_tokens)
+    parser.error("--prompt encodes to no tokens")
+  if len(prompt_ids) + args.max_new_tokens > config.max_position_embeddings:
+    parser.error(
+      f"--max-new-tokens {args.max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the "
+      f"model's max_position_embeddings ({config.max_position_embeddings})"
+    )
+  model_name = args.model or DEFAULT_MODEL_NAME
+  if args.spec_tokens and not config.num_nextn_predict_layers:
+    parser.error(f"{model_name} has no MTP layer; use --spec-tokens 0")
+  model = _load_weights(parser, directory, args.dtype)
+  if args.spec_tokens and model.mtp is None:
+    parser.error(f"{model_name} has no MTP weights; use --spec-tokens 0")
+  run = _run(model, prompt_ids, args, sampling, args.spec_tokens)
   result = {
     "model": model_name,
     "device": jax.devices()[0].device_kind,
     "prompt": args.prompt,
+    "seed": args.seed,
     "text": tokenizer.decode(run["tokens"]),
     "spec_tokens": args.spec_tokens,
+    "sampling": dataclasses.asdict(sampling),
     **run,
   }
   if args.compare:
-    baseline = _run(model, prompt_ids, args, 0)
+    baseline = _run(model, prompt_ids, args, sampling, 0)
     result["baseline"] = {k: baseline[k] for k in ("tokens_per_s", "tpot_s", "itl_s", "ttft_s")}
     result["baseline"]["same_tokens"] = baseline["tokens"] == run["tokens"]
     result["speedup"] = run["tokens_per_s"] / baseline["tokens_per_s"]
@@ -122,9 +242,18 @@ def generate(args) -> dict:
 def _print_report(result) -> None:
   print(f"model: {result['model']}")
   print(f"{result['prompt']}{result['text']}")
+  sampling = result["sampling"]
+  if sampling["temperature"] == 0:
+    decoding = "greedy"
+  else:
+    decoding = (
+      f"sampled at temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}, "
+      f"top-k {sampling['top_k'] or 'off'}, seed {result['seed']} (--temperature 0: greedy)"
+    )
   lines = [
+    f"-- {decoding}",
     f"-- {len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tok/s, "
-    f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms"
+    f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms",
   ]
   if result["spec_tokens"]:
     per_position = ", ".join(f"{a:.2f}" for a in result["per_position_acceptance"])
@@ -142,11 +271,21 @@ def _print_report(result) -> None:
 
 
 def run_evaluate(args) -> int:
-  if any(not 1 <= k <= 7 for k in args.spec_tokens):
-    raise SystemExit(f"error: --spec-tokens values must be in 1..7, got {args.spec_tokens}")
-  model_dir = args.model or DEFAULT_MODEL
-  model = load_pretrained(model_dir, dtype=_DTYPES[args.dtype])
-  config = EvalConfig(
+  parser = args.command_parser
+  directory, config, tokenizer = _checked_model_dir(parser, args.model)
+  if args.prompt_tokens + args.max_new_tokens > config.max_position_embeddings:
+    parser.error(
+      f"--prompt-tokens {args.prompt_tokens} + --max-new-tokens {args.max_new_tokens} exceeds "
+      f"the model's max_position_embeddings ({config.max_position_embeddings})"
+    )
+  if not config.num_nextn_predict_layers:
+    parser.error(f"{directory} has no MTP layer to evaluate")
+  try:  # the prompts exist before the weights load
+    prompts = held_out_prompts(tokenizer, args.num_prompts, args.prompt_tokens)
+  except (OSError, ValueError) as error:
+    parser.error(str(error))
+  model = _load_weights(parser, directory, args.dtype)
+  eval_config = EvalConfig(
     spec_tokens=tuple(args.spec_tokens),
     temperatures=tuple(args.temperatures),
     num_prompts=args.num_prompts,
@@ -154,13 +293,18 @@ def run_evaluate(args) -> int:
     max_new_tokens=args.max_new_tokens,
     seed=args.seed,
   )
-  rows = evaluate(model, load_tokenizer(model_dir), config, progress=not args.json)
+  rows = evaluate(model, tokenizer, eval_config, progress=not args.json, prompts=prompts)
   print(json.dumps(rows) if args.json else format_table(rows))
   return 0
 
 
 def main(argv=None) -> int:
-  args = _build_parser().parse_args(argv)
+  parser = _build_parser()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  bad = argtypes.first_non_utf8(argv)
+  if bad is not None:
+    parser.error(f"argument {bad} is not valid UTF-8")
+  args = parser.parse_args(argv)
   if args.command == "train":
     return run_train(args)
   if args.command == "evaluate":

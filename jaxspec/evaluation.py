@@ -48,10 +48,19 @@ def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[li
 
 
 def evaluate(
-  model: GlmForCausalLM, tokenizer, config: EvalConfig = EvalConfig(), progress: bool = True
+  model: GlmForCausalLM,
+  tokenizer,
+  config: EvalConfig = EvalConfig(),
+  progress: bool = True,
+  prompts: list[list[int]] | None = None,
 ) -> list[dict]:
-  """One row per (temperature, k): acceptance statistics over the held-out prompts."""
-  prompts = held_out_prompts(tokenizer, config.num_prompts, config.prompt_tokens)
+  """One row per (temperature, k): acceptance statistics over the held-out prompts.
+
+  `prompts`: the output of `held_out_prompts` for this tokenizer and config, when the caller
+  already has them.
+  """
+  if prompts is None:
+    prompts = held_out_prompts(tokenizer, config.num_prompts, config.prompt_tokens)
   engine_config = EngineConfig(
     max_batch_size=config.batch_size,
     max_seq_len=config.prompt_tokens + config.max_new_tokens,

@@ -1,5 +1,6 @@
 """The command line's main job: `python -m jaxspec generate`."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -7,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.__main__ import main
+from jaxspec.__main__ import DEFAULT_MODEL, _sampling, main
+from jaxspec.serving.sampling import SamplingParams
+from jaxspec.training import cli as train_cli
 
 ROOT = Path(__file__).parents[1]
 
@@ -53,12 +56,6 @@ def test_generate_is_reproducible_and_runs_as_a_module():
   assert runs[0]["tokens"] == runs[1]["tokens"]
 
 
-def test_checkpoint_without_tokenizer_is_a_clear_error():
-  fixture = ROOT / "tests" / "fixtures" / "glm4_moe_a"
-  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
-    main(["generate", "--prompt", "x", "--model", str(fixture), "--max-new-tokens", "2"])
-
-
 def test_speculative_generate_with_compare_reports_both_paths(capsys):
   argv = [
     "generate",
@@ -80,6 +77,143 @@ def test_speculative_generate_with_compare_reports_both_paths(capsys):
   assert result["baseline"]["same_tokens"] and result["speedup"] > 0
 
 
-def test_bad_spec_tokens_is_rejected():
-  with pytest.raises(SystemExit, match="--spec-tokens must be in 0..7"):
-    main(["generate", "--prompt", "a", "--spec-tokens", "9"])
+# --------------------------------------------------------------------------------------------------
+# Bad arguments: one `error:` line on stderr, exit status 2, no traceback, no weights loaded.
+
+FIXTURE_WITHOUT_TOKENIZER = ROOT / "tests" / "fixtures" / "glm4_moe_a"
+GENERATE = ["generate", "--prompt", "def f(x):"]
+
+BAD_ARGUMENTS = {
+  "negative max-new-tokens": (GENERATE + ["--max-new-tokens", "-5"], "at least 1, got -5"),
+  "fractional max-new-tokens": (GENERATE + ["--max-new-tokens", "2.5"], "expected an integer"),
+  "huge max-new-tokens": (
+    GENERATE + ["--max-new-tokens", "1000000000"],
+    "exceeds the model's max_position_embeddings",
+  ),
+  "spec-tokens above range": (GENERATE + ["--spec-tokens", "9"], "in 0..7, got 9"),
+  "negative spec-tokens": (GENERATE + ["--spec-tokens", "-1"], "in 0..7, got -1"),
+  "negative top-k": (GENERATE + ["--top-k", "-1"], "at least 0"),
+  "fractional top-k": (GENERATE + ["--top-k", "2.5"], "expected an integer"),
+  "top-k above the vocabulary": (GENERATE + ["--top-k", "100000"], "vocabulary size"),
+  "top-p zero": (GENERATE + ["--top-p", "0"], "(0, 1]"),
+  "top-p above one": (GENERATE + ["--top-p", "1.5"], "(0, 1]"),
+  "top-p NaN": (GENERATE + ["--top-p", "nan"], "finite"),
+  "negative temperature": (GENERATE + ["--temperature", "-1"], "[0, inf)"),
+  "NaN temperature": (GENERATE + ["--temperature", "nan"], "finite"),
+  "infinite temperature": (GENERATE + ["--temperature", "inf"], "finite"),
+  "seed too large": (GENERATE + ["--seed", str(2**70)], "in 0..4294967295"),
+  "negative seed": (GENERATE + ["--seed", "-1"], "in 0..4294967295"),
+  "zero page size": (GENERATE + ["--page-size", "0"], "in 1..1024"),
+  "empty prompt": (["generate", "--prompt", ""], "encodes to no tokens"),
+  "missing tokenizer": (
+    GENERATE + ["--model", str(FIXTURE_WITHOUT_TOKENIZER)],
+    "no tokenizer.json",
+  ),
+  "missing model": (GENERATE + ["--model", "/nonexistent/model"], "no such directory"),
+  "model is a file": (GENERATE + ["--model", str(ROOT / "README.md")], "not a directory"),
+  "model without config": (GENERATE + ["--model", str(ROOT / "tests")], "config.json"),
+  "evaluate k zero": (["evaluate", "--spec-tokens", "0"], "in 1..7, got 0"),
+  "evaluate NaN temperature": (["evaluate", "--temperatures", "0", "nan"], "finite"),
+  "evaluate no prompts": (["evaluate", "--num-prompts", "0"], "at least 1"),
+  "evaluate prompts beyond the held-out text": (
+    ["evaluate", "--num-prompts", "5000"],
+    "fewer than the 5000 x 96",
+  ),
+  "evaluate beyond max positions": (
+    ["evaluate", "--prompt-tokens", "5000"],
+    "exceeds the model's max_position_embeddings",
+  ),
+  "train zero steps": (["train", "--output-dir", "x", "--steps", "0"], "at least 1"),
+  "train NaN learning rate": (["train", "--output-dir", "x", "--learning-rate", "nan"], "finite"),
+  "train tiny vocabulary": (["train", "--output-dir", "x", "--vocab-size", "100"], "at least 257"),
+  "train smoke warm-up beyond its steps": (
+    ["train", "--output-dir", "x", "--smoke", "--warmup-steps", "40"],
+    "warmup_steps (40) must be below steps (30)",
+  ),
+  "train missing corpus": (
+    ["train", "--output-dir", "x", "--corpus", "/nonexistent.tar.gz"],
+    "no such file",
+  ),
+  "train output is a file": (["train", "--output-dir", str(ROOT / "README.md")], "not a directory"),
+  "train non-empty output": (["train", "--output-dir", str(ROOT / "tests")], "--overwrite"),
+}
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+  """Argument errors must be found before any weights load or any training starts."""
+
+  def forbidden(*args, **kwargs):
+    pytest.fail("an argument error was found only after starting the work")
+
+  monkeypatch.setattr("jaxspec.__main__.load_pretrained", forbidden)
+  monkeypatch.setattr("jaxspec.training.cli.train", forbidden)
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_bad_argument_is_one_error_line_and_exit_status_2(argv, message, capsys, no_weights):
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  assert exit_info.value.code == 2
+  stderr = capsys.readouterr().err
+  errors = [line for line in stderr.splitlines() if "error:" in line]
+  assert len(errors) == 1, stderr
+  assert message in errors[0], stderr
+  assert "Traceback" not in stderr
+
+
+def _checkpoint_with_generation_config(tmp_path, generation_config: str):
+  for name in ("config.json", "tokenizer.json", "model.safetensors"):
+    (tmp_path / name).symlink_to(DEFAULT_MODEL / name)
+  (tmp_path / "generation_config.json").write_text(generation_config)
+  return tmp_path
+
+
+@pytest.mark.parametrize(
+  "contents", ['{"do_sample": true, "temperature": NaN}', '{"do_sample": true, "top_k": 2.5}']
+)
+def test_bad_generation_config_is_an_argument_error(tmp_path, capsys, no_weights, contents):
+  model = _checkpoint_with_generation_config(tmp_path, contents)
+  with pytest.raises(SystemExit) as exit_info:
+    main(GENERATE + ["--model", str(model)])
+  assert exit_info.value.code == 2
+  assert "generation_config.json has" in capsys.readouterr().err
+
+
+def test_sampling_defaults_come_from_generation_config_and_options_override_them(tmp_path):
+  parser = argparse.ArgumentParser()
+  unset = argparse.Namespace(temperature=None, top_p=None, top_k=None)
+  assert _sampling(parser, tmp_path, unset, 2048) == SamplingParams()  # no file: greedy
+  model = _checkpoint_with_generation_config(
+    tmp_path, '{"do_sample": true, "temperature": 0.7, "top_p": 0.95, "top_k": 0}'
+  )
+  assert _sampling(parser, model, unset, 2048) == SamplingParams(temperature=0.7, top_p=0.95)
+  greedy = argparse.Namespace(temperature=0.0, top_p=None, top_k=None)
+  assert _sampling(parser, model, greedy, 2048) == SamplingParams()
+  (model / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.7}')
+  assert _sampling(parser, model, unset, 2048) == SamplingParams()
+
+
+def test_argv_that_is_not_utf8_is_an_argument_error():
+  command = [sys.executable, "-m", "jaxspec", "generate", "--prompt", b"def \xff(x):"]
+  run = subprocess.run(command, cwd=ROOT, capture_output=True)
+  assert run.returncode == 2
+  stderr = run.stderr.decode()
+  assert "error: argument 'def \\udcff(x):' is not valid UTF-8" in stderr, stderr
+  assert "Traceback" not in stderr
+
+
+def test_smoke_training_honours_the_options_given():
+  parser = argparse.ArgumentParser()
+  train_cli.add_train_parser(parser.add_subparsers())
+  args = parser.parse_args(
+    ["train", "--output-dir", "x", "--smoke", "--seed", "7", "--vocab-size", "300", "--steps", "9"]
+  )
+  config = train_cli.config_from_args(args)
+  assert (config.model_preset, config.seed, config.vocab_size, config.steps) == (
+    "smoke",
+    7,
+    300,
+    9,
+  )
+  assert config.batch_size == train_cli.SMOKE.batch_size  # the rest stays smoke-sized

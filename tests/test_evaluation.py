@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import pytest
 
-from jaxspec.__main__ import DEFAULT_MODEL, main
+from jaxspec.__main__ import DEFAULT_MODEL
 from jaxspec.evaluation import EvalConfig, evaluate, format_table, held_out_prompts
 from jaxspec.model.weights import load_pretrained
 from jaxspec.tokenizer import load_tokenizer
@@ -37,8 +37,3 @@ def test_trained_draft_head_is_accepted_on_held_out_text(default_model):
   assert row["per_position_acceptance"][0] >= 0.6
   assert row["tokens_per_verify_step"] == pytest.approx(1 + sum(row["per_position_acceptance"]))
   assert "| 0 | 3 |" in format_table([row])
-
-
-def test_evaluate_command_rejects_bad_k():
-  with pytest.raises(SystemExit, match="1..7"):
-    main(["evaluate", "--spec-tokens", "0"])

@@ -1,4 +1,4 @@
-"""Training recipe for the embedded default model: stdlib corpus, byte-level BPE, joint MTP loss."""
+"""Recipe of the embedded default model: Python sources, byte-level BPE, joint MTP loss."""
 
 from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, Trainer, train
 

@@ -1,8 +1,20 @@
-"""`python -m jaxspec train`: trains the default model (or a smoke-sized one) and its MTP head."""
+"""`python -m jaxspec train`: trains the default model (or a smoke-sized one) and its MTP head.
+
+Every option maps to a `TrainConfig` field. Options left out take the recipe's defaults
+(`TrainConfig()`), or `SMOKE`'s with `--smoke`; options given are honoured in both cases. Bad
+values, a non-empty `--output-dir` without `--overwrite`, a missing `--corpus` or `--tokenizer`
+are one `error:` line and exit status 2, before any work.
+"""
 
 import argparse
 import dataclasses
+import tarfile
+from pathlib import Path
 
+import tokenizers
+
+from jaxspec import argtypes
+from jaxspec.training import staging
 from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, train
 
 # A few seconds on a CPU: tiny model, 40 training files, 30 steps.
@@ -21,72 +33,109 @@ SMOKE = TrainConfig(
   max_train_files=40,
 )
 
+# TrainConfig field -> (argparse type, help). Each becomes `--field-name`, default None (unset).
+_CONFIG_OPTIONS = {
+  "model_preset": (None, "model size"),
+  "vocab_size": (argtypes.int_in(257), "byte-level BPE vocabulary (256 bytes + merges + EOS)"),
+  "steps": (argtypes.positive_int, "training steps (an upper bound with --time-budget-s)"),
+  "batch_size": (argtypes.positive_int, "windows per step"),
+  "seq_len": (argtypes.positive_int, "tokens per window"),
+  "learning_rate": (argtypes.float_in(0.0, low_open=True), "peak learning rate"),
+  "min_lr_ratio": (argtypes.float_in(0.0, 1.0), "final learning rate / peak"),
+  "warmup_steps": (argtypes.positive_int, "linear warm-up steps (fewer than --steps)"),
+  "weight_decay": (argtypes.float_in(0.0), "AdamW weight decay on matrices"),
+  "mtp_weight": (argtypes.float_in(0.0), "weight of the mean MTP loss"),
+  "mtp_depth": (argtypes.int_in(1, 7), "MTP depths trained (the layer applied recurrently)"),
+  "eval_every": (argtypes.positive_int, "steps between held-out evaluations"),
+  "seed": (argtypes.seed, f"0..{argtypes.MAX_SEED}"),
+  "time_budget_s": (
+    argtypes.float_in(0.0, low_open=True),
+    "cut the step count to what fits in this many seconds (measured during warm-up)",
+  ),
+}
+
+
+def _option(field: str) -> str:
+  return "--preset" if field == "model_preset" else "--" + field.replace("_", "-")
+
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
   """Adds the `train` command to a `subparsers` object of argparse."""
   defaults = TrainConfig()
   parser = subparsers.add_parser(
     "train",
-    help="train a GLM-style MoE model with its MTP head on the Python standard library",
+    help="train a GLM-style MoE model with its MTP head on Python sources",
     description=__doc__,
   )
+  parser.set_defaults(command_parser=parser)
   parser.add_argument("--output-dir", required=True, help="checkpoint directory to write")
-  parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default=defaults.model_preset)
-  parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-  parser.add_argument("--steps", type=int, default=defaults.steps)
-  parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
-  parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
-  parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-  parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-  parser.add_argument("--mtp-weight", type=float, default=defaults.mtp_weight)
-  parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
-  parser.add_argument("--seed", type=int, default=defaults.seed)
   parser.add_argument(
-    "--time-budget-s",
-    type=float,
-    default=None,
-    help="cut the step count to what fits in this many seconds (measured during warm-up)",
+    "--overwrite", action="store_true", help="replace the checkpoint in a non-empty --output-dir"
+  )
+  for field, (kind, help_text) in _CONFIG_OPTIONS.items():
+    default = getattr(defaults, field)
+    extra = {"choices": sorted(MODEL_PRESETS)} if field == "model_preset" else {"type": kind}
+    parser.add_argument(
+      _option(field), dest=field, default=None, help=f"{help_text} (default {default})", **extra
+    )
+  parser.add_argument(
+    "--corpus",
+    help="a corpus archive written by scripts/build_corpus.py, or a copy of a Python standard "
+    "library folder; default: the running interpreter's standard library",
   )
   parser.add_argument(
     "--tokenizer", help="reuse this tokenizer.json instead of training a byte-level BPE"
   )
   parser.add_argument(
-    "--stdlib-dir",
-    help="read the corpus from this copy of a Python standard library folder instead of the "
-    "running interpreter's (same files, same held-out list)",
-  )
-  parser.add_argument(
-    "--smoke", action="store_true", help="a few steps of a tiny model: runs on a CPU in seconds"
+    "--smoke",
+    action="store_true",
+    help="a tiny model on 40 files for 30 steps (runs on a CPU in seconds); other options "
+    "given override the smoke settings",
   )
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser
 
 
 def config_from_args(args) -> TrainConfig:
-  if args.smoke:
-    return dataclasses.replace(SMOKE, seed=args.seed)
-  return TrainConfig(
-    model_preset=args.preset,
-    vocab_size=args.vocab_size,
-    steps=args.steps,
-    batch_size=args.batch_size,
-    seq_len=args.seq_len,
-    learning_rate=args.learning_rate,
-    warmup_steps=args.warmup_steps,
-    mtp_weight=args.mtp_weight,
-    eval_every=args.eval_every,
-    seed=args.seed,
-    time_budget_s=args.time_budget_s,
-  )
+  """The recipe's defaults (or `SMOKE`), with every option the command line gave."""
+  base = SMOKE if args.smoke else TrainConfig()
+  given = {f: getattr(args, f) for f in _CONFIG_OPTIONS if getattr(args, f) is not None}
+  try:
+    return dataclasses.replace(base, **given)
+  except ValueError as error:
+    args.command_parser.error(str(error))
+
+
+def _check_inputs(args, config: TrainConfig) -> None:
+  parser = args.command_parser
+  try:
+    staging.check_output_dir(args.output_dir, args.overwrite)
+  except FileExistsError as error:
+    parser.error(f"--output-dir: {error}")
+  if args.corpus is not None:
+    source = Path(args.corpus)
+    if source.is_file() and not tarfile.is_tarfile(source):
+      parser.error(f"--corpus {source}: not a corpus archive (build one with build_corpus.py)")
+    if not source.exists():
+      parser.error(f"--corpus {source}: no such file or directory")
+  if args.tokenizer is not None:
+    try:
+      vocab = tokenizers.Tokenizer.from_file(args.tokenizer).get_vocab_size()
+    except Exception as error:  # `tokenizers` raises a bare Exception for a missing/bad file
+      parser.error(f"--tokenizer {args.tokenizer}: {error}")
+    if args.vocab_size is not None and args.vocab_size != vocab:
+      parser.error(f"--vocab-size {args.vocab_size} differs from --tokenizer's {vocab} tokens")
 
 
 def run_train(args) -> int:
   config = config_from_args(args)
+  _check_inputs(args, config)
   log = train(
     config,
     args.output_dir,
+    overwrite=args.overwrite,
+    corpus_source=args.corpus,
     tokenizer_path=args.tokenizer,
-    stdlib_dir=args.stdlib_dir,
     progress=not args.no_progress,
   )
   final, timing = log["final"], log["timing"]
@@ -97,6 +146,7 @@ def run_train(args) -> int:
     ("train next-token CE", f"{final['train_lm_loss']:.3f}"),
     ("train MTP CE", f"{final['train_mtp_loss']:.3f}"),
     ("held-out next-token CE", f"{final['held_out_lm_loss']:.3f}"),
+    ("held-out bits / byte", f"{final['held_out_lm_bits_per_byte']:.3f}"),
     ("held-out MTP CE", f"{final['held_out_mtp_loss']:.3f}"),
     ("held-out target top-1", f"{final['held_out_next_token_accuracy']:.3f}"),
     ("held-out MTP agreement (k=1, teacher-forced)", f"{final['held_out_mtp_agreement']:.3f}"),
@@ -104,6 +154,8 @@ def run_train(args) -> int:
       f"held-out tokens / verify step (k={k}, teacher-forced)",
       f"{final[f'held_out_tokens_per_step_k{k}']:.2f}",
     ),
+    ("demos: most repeated line (count)", f"{final['demo_max_line_repeats']}"),
+    ("demos: parse as Python", f"{final['demo_parse_rate']:.2f}"),
     ("train time (s)", f"{timing['train_s']:.1f}"),
     ("tokens / s", f"{timing['tokens_per_s']:,.0f}"),
     ("checkpoint (MB)", f"{log['checkpoint_bytes'] / 1e6:.2f}"),
@@ -111,7 +163,8 @@ def run_train(args) -> int:
   print("| metric | value |\n| --- | --- |")
   for name, value in rows:
     print(f"| {name} | {value} |")
-  print(f"sample: {log['sample']['prompt']}{log['sample']['greedy_continuation']}")
+  first = log["samples"][0]
+  print(f"sample: {first['prompt']}{first['continuation']}")
   return 0
 
 

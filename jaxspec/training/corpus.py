@@ -1,14 +1,26 @@
-"""The training corpus: the Python standard library's own `.py` sources, present on every machine.
+"""The training corpus: Python sources, from a standard library folder or a corpus archive.
 
-Files are read from `sysconfig.get_paths()["stdlib"]` of the running interpreter, in sorted
-order of their path relative to that folder, so that two machines with the same Python version
-see the same corpus in the same order. `HELD_OUT_FILES` is a fixed list of ordinary library
-modules kept out of training and used only for evaluation; a held-out file missing from an
-interpreter is skipped (the ones listed exist in CPython 3.12 and later).
+Two sources, one split:
+
+- a standard library folder (default: `sysconfig.get_paths()["stdlib"]` of the running
+  interpreter): its `.py` files, in sorted order of their path relative to that folder;
+- a corpus archive written by `scripts/build_corpus.py`: a `.tar.gz` with `stdlib/<path>` for a
+  standard library's files and `<distribution>/<path>` for the sources of a fixed list of
+  packages, plus `MANIFEST.json`. The archive is the same bytes on every machine, so a training
+  run does not depend on which stdlib files the training machine's image happens to ship.
+
+`HELD_OUT_FILES` is a fixed list of ordinary library modules of the standard library, kept out of
+training and used only for evaluation (`jaxspec.evaluation` reads them from the running
+interpreter); a held-out file missing from a source is skipped (the ones listed exist in CPython
+3.12 and later).
 """
 
 import dataclasses
+import gzip
+import io
+import json
 import sysconfig
+import tarfile
 from pathlib import Path
 
 HELD_OUT_FILES = (
@@ -26,14 +38,22 @@ HELD_OUT_FILES = (
   "uuid.py",
 )
 
+STDLIB = "stdlib"  # origin of standard library files (and their folder inside an archive)
+MANIFEST = "MANIFEST.json"  # the archive member that describes it
+
 # Folders of the stdlib tree that are not the standard library's own code.
 _EXCLUDED_PARTS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceFile:
-  relative_path: str  # POSIX path relative to the stdlib folder, e.g. "json/decoder.py"
+  relative_path: str  # POSIX path inside its origin, e.g. "json/decoder.py"
   text: str
+  origin: str = STDLIB  # "stdlib" or the distribution the file comes from, e.g. "numpy"
+
+  @property
+  def held_out(self) -> bool:
+    return self.origin == STDLIB and self.relative_path in HELD_OUT_FILES
 
 
 def stdlib_dir() -> Path:
@@ -64,14 +84,66 @@ def read_sources(relative_paths, root: Path | None = None) -> list[SourceFile]:
   return files
 
 
+def write_archive(members: list[tuple[str, str]], manifest: dict, path: str | Path) -> None:
+  """Writes a corpus archive: `MANIFEST.json`, then (`<origin>/<path>`, text) members in order.
+
+  Deterministic bytes (fixed times, owners and modes; gzip without a timestamp), written to a
+  temporary file beside `path` and renamed over it.
+  """
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  partial = path.with_name(path.name + ".partial")
+  with (
+    open(partial, "wb") as raw,
+    gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as zipped,
+  ):
+    with tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
+      entries = [(MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))] + members
+      for name, text in entries:
+        data = text.encode("utf-8")
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = len(data), 0o644, 0
+        tar.addfile(info, io.BytesIO(data))
+  partial.replace(path)
+
+
+def read_archive(path: str | Path) -> tuple[dict, list[SourceFile]]:
+  """(manifest, files in archive order) of a corpus archive written by `scripts/build_corpus.py`.
+
+  Stdlib files come first, then the packages' (stable within each origin by path).
+  """
+  manifest = None
+  files = []
+  with tarfile.open(path, mode="r:gz") as tar:
+    for member in tar:
+      if not member.isfile():
+        continue
+      text = tar.extractfile(member).read().decode("utf-8")
+      if member.name == MANIFEST:
+        manifest = json.loads(text)
+        continue
+      origin, _, relative = member.name.partition("/")
+      if not relative.endswith(".py"):
+        raise ValueError(f"corpus archive {path}: unexpected member {member.name}")
+      files.append(SourceFile(relative, text, origin))
+  if manifest is None:
+    raise ValueError(f"corpus archive {path} has no {MANIFEST}: build it with build_corpus.py")
+  files.sort(key=lambda f: (f.origin != STDLIB, f.origin, f.relative_path))
+  return manifest, files
+
+
 def split_corpus(
-  root: Path | None = None, max_files: int | None = None
+  source: Path | None = None, max_files: int | None = None
 ) -> tuple[list[SourceFile], list[SourceFile]]:
-  """(train files, held-out files). `max_files` keeps the first n training files (smoke runs)."""
-  paths = list_sources(root)
-  held_out = set(HELD_OUT_FILES)
-  train_paths = [p for p in paths if p not in held_out]
+  """(train files, held-out files) of a stdlib folder (default the interpreter's) or an archive.
+
+  `max_files` keeps the first n training files (smoke runs).
+  """
+  if source is not None and Path(source).is_file():
+    _, files = read_archive(source)
+  else:
+    files = read_sources(list_sources(source), source)
+  train_files = [f for f in files if not f.held_out]
   if max_files is not None:
-    train_paths = train_paths[:max_files]
-  held_out_paths = [p for p in paths if p in held_out]
-  return read_sources(train_paths, root), read_sources(held_out_paths, root)
+    train_files = train_files[:max_files]
+  return train_files, [f for f in files if f.held_out]

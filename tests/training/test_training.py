@@ -1,5 +1,6 @@
 """The training recipe on the CPU: a smoke run of a tiny model over a slice of the stdlib corpus."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -12,11 +13,18 @@ import jaxspec
 from jaxspec.tokenizer import load_tokenizer
 from jaxspec.training import cli, corpus, trainer
 
+# A flag that differs from the smoke defaults (and leaves the losses as they were): the run
+# must honour it.
+SMOKE_FLAGS = ["--eval-every", "15"]
+
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
   output_dir = tmp_path_factory.mktemp("smoke_model")
-  assert cli.main(["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]) == 0
+  (output_dir / "model.safetensors").write_bytes(b"an older checkpoint")
+  (output_dir / "notes.txt").write_text("a file of the older checkpoint")
+  argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir), "--overwrite"]
+  assert cli.main(argv + SMOKE_FLAGS) == 0
   with open(output_dir / "training_log.json") as f:
     return output_dir, json.load(f)
 
@@ -41,10 +49,22 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
   assert rates[-1] == pytest.approx(1e-4, rel=0.01)
 
 
-def test_smoke_run_lowers_train_and_held_out_losses(smoke_run):
+def test_time_budget_fits_the_steps_to_the_time_left():
+  config = trainer.TrainConfig(steps=10_000, warmup_steps=100, eval_every=100, time_budget_s=500)
+  # 100 s spent at step 35; 0.1 s per step; 2 s per evaluation (0.02 s per step).
+  left = 500 - 100 - 2 - trainer.TAIL_RESERVE_S
+  expected = 35 + int(0.97 * left / 0.12)
+  assert trainer.steps_within_budget(config, 35, 100.0, 0.1, 2.0) == expected
+  assert trainer.steps_within_budget(config, 35, 100.0, 0.001, 2.0) == 10_000  # the cap
+  assert trainer.steps_within_budget(config, 35, 600.0, 0.1, 2.0) == 101  # past the budget
+
+
+def test_smoke_run_honours_its_flags_and_lowers_train_and_held_out_losses(smoke_run):
   _, log = smoke_run
+  assert log["train_config"] == dataclasses.asdict(cli.SMOKE) | {"eval_every": 15}
   history, evals = log["history"], log["evals"]
   assert len(history) == log["final"]["steps"] == 30
+  assert [e["step"] for e in evals] == [0, 15, 30]
   first = np.mean([h["loss"] for h in history[:3]])
   last = np.mean([h["loss"] for h in history[-3:]])
   assert last < first - 1.0, (first, last)
@@ -53,6 +73,22 @@ def test_smoke_run_lowers_train_and_held_out_losses(smoke_run):
   chain = [evals[-1][f"chain_acceptance_{d}"] for d in (1, 2, 3)]
   assert chain == sorted(chain, reverse=True)
   assert evals[-1]["tokens_per_step_k3"] == pytest.approx(1.0 + sum(chain))
+  bytes_per_token = log["corpus"]["held_out_bytes_per_token"]
+  assert evals[-1]["lm_bits_per_byte"] == pytest.approx(
+    evals[-1]["lm_loss"] / bytes_per_token / np.log(2)
+  )
+  assert len(log["samples"]) == 6 and 0.0 <= log["final"]["demo_parse_rate"] <= 1.0
+
+
+def test_overwrite_replaces_the_whole_directory_and_leaves_no_temporary(smoke_run):
+  output_dir, log = smoke_run
+  names = {p.name for p in output_dir.iterdir()}
+  written = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"}
+  assert written | {"training_log.json", "loss.png"} <= names
+  assert "notes.txt" not in names  # nothing of the older checkpoint is left beside the new one
+  assert (output_dir / "model.safetensors").read_bytes() != b"an older checkpoint"
+  temporary = f".{output_dir.name}."  # staging and previous-checkpoint directories
+  assert [p.name for p in output_dir.parent.iterdir() if p.name.startswith(temporary)] == []
 
 
 def test_checkpoint_round_trips_with_load_pretrained_and_its_tokenizer(smoke_run):
@@ -82,3 +118,23 @@ def test_checkpoint_round_trips_with_load_pretrained_and_its_tokenizer(smoke_run
   final = log["evals"][-1]
   for name in ("lm_loss", "mtp_loss", "mtp_agreement", "chain_acceptance_3"):
     assert metrics[name] == pytest.approx(final[name], rel=1e-5, abs=1e-6), name
+
+
+def test_an_interrupted_run_leaves_the_old_checkpoint_untouched(tmp_path, monkeypatch):
+  output_dir = tmp_path / "model"
+  output_dir.mkdir()
+  old = {"config.json": b'{"old": true}', "model.safetensors": b"old weights"}
+  for name, data in old.items():
+    (output_dir / name).write_bytes(data)
+
+  def interrupted_step(self, stream, key, lr):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(trainer.Trainer, "train_step", interrupted_step)
+  with pytest.raises(KeyboardInterrupt):
+    trainer.train(cli.SMOKE, output_dir, overwrite=True, progress=False)
+  assert {p.name: p.read_bytes() for p in output_dir.iterdir()} == old
+  assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary directory left
+  # Without overwrite the run refuses before any work.
+  with pytest.raises(FileExistsError, match="not empty"):
+    trainer.train(cli.SMOKE, output_dir, progress=False)

@@ -1,0 +1,69 @@
+"""Demo prompts and what a continuation of them reads like: repeated lines, and whether it parses.
+
+The default model's first impression is `python -m jaxspec generate --prompt "def fibonacci(n):"`;
+a small code model decoded greedily tends to loop on one line. These checks put numbers on that
+(issue 16's bar: no line more than twice in 96 new tokens, and more continuations that parse as
+Python than not); the trainer logs them and `scripts/check_default_model.py` reports them.
+"""
+
+import ast
+import collections
+
+# The README's prompt and five more: functions, classes and docstrings.
+DEMO_PROMPTS = (
+  "def fibonacci(n):",
+  'def is_prime(n):\n    """Return True if n is a prime number."""\n',
+  "class Stack:\n    def __init__(self):",
+  'def read_lines(path):\n    """Return the lines of a text file, without line endings."""\n',
+  "import os\n\n\ndef list_python_files(root):",
+  'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):',
+)
+
+
+def max_line_repeats(text: str) -> tuple[int, str]:
+  """(count, line) of the most repeated non-blank line (trailing spaces ignored); (0, "") if none.
+
+  A greedy loop shows as the same line over and over; the issue's bar is at most two copies.
+  """
+  counts = collections.Counter(line.rstrip() for line in text.splitlines() if line.strip())
+  if not counts:
+    return 0, ""
+  line, count = counts.most_common(1)[0]
+  return count, line
+
+
+def parses_as_python(prompt: str, continuation: str) -> bool:
+  """`ast.parse` of prompt + continuation cut after its last complete line (the last newline).
+
+  A continuation that completes no line of its own (no newline) does not count as parsing.
+  """
+  text = prompt + continuation
+  cut = text[: text.rfind("\n") + 1]
+  if len(cut) <= len(prompt):
+    return False
+  try:
+    ast.parse(cut)
+  except (SyntaxError, ValueError):  # ValueError: a null byte in the text
+    return False
+  return True
+
+
+def demo_quality(samples: list[tuple[str, str]]) -> dict:
+  """Per (prompt, continuation): the most repeated line and whether it parses; and the totals."""
+  rows = []
+  for prompt, continuation in samples:
+    count, line = max_line_repeats(prompt + continuation)
+    rows.append(
+      {
+        "prompt": prompt,
+        "continuation": continuation,
+        "max_line_repeats": count,
+        "most_repeated_line": line,
+        "parses": parses_as_python(prompt, continuation),
+      }
+    )
+  return {
+    "samples": rows,
+    "max_line_repeats": max((r["max_line_repeats"] for r in rows), default=0),
+    "parse_rate": sum(r["parses"] for r in rows) / max(1, len(rows)),
+  }

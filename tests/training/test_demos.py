@@ -1,0 +1,26 @@
+"""The checks behind issue 16's demo bar: repeated lines and `ast.parse` of the cut text."""
+
+from jaxspec.training.demos import demo_quality, max_line_repeats, parses_as_python
+
+
+def test_max_line_repeats_finds_a_greedy_loop_and_ignores_blank_lines():
+  loop = "def f():\n    x = g(x)\n    x = g(x)  \n\n\n    x = g(x)\n"
+  assert max_line_repeats(loop) == (3, "    x = g(x)")
+  assert max_line_repeats("a\n\n\nb\n") == (1, "a")
+  assert max_line_repeats("\n \n") == (0, "")
+
+
+def test_parse_cuts_at_the_last_complete_line():
+  prompt = "def fibonacci(n):"
+  assert parses_as_python(prompt, "\n    return n\n    if n <")  # the unfinished line is cut
+  assert not parses_as_python(prompt, "\n    if n < 2:\n        ")  # an empty block
+  assert not parses_as_python(prompt, '\n    """Doc\n    more')  # an open docstring
+  # No complete line of its own: the prompt alone is not the model's credit.
+  assert not parses_as_python("x = 1\n", "y = ")
+  assert not parses_as_python(prompt, "     ")
+
+
+def test_demo_quality_sums_up_the_samples():
+  report = demo_quality([("def f():", "\n    return 1\n"), ("def g():", "\n    if x:\n")])
+  assert report["parse_rate"] == 0.5 and report["max_line_repeats"] == 1
+  assert [s["parses"] for s in report["samples"]] == [True, False]
