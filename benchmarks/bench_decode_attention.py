@@ -648,6 +648,12 @@ def main():
     default=420.0,
     help="seconds after which no new shape is started (the rest is listed as skipped)",
   )
+  parser.add_argument(
+    "--only",
+    nargs="+",
+    default=None,
+    help='run only the shapes named "SECTION NAME", e.g. "fp8 KV B64 L32k" "G8 D128 B64 L32k"',
+  )
   parser.add_argument("--out", default=str(RESULTS))
   args = parser.parse_args()
   rng = np.random.default_rng(0)
@@ -704,6 +710,8 @@ def main():
     tune(rng, tuning, save, smoke=args.smoke)
   else:
     for shape in benchmark_shapes(rng, args.quick, version is not None, args.smoke):
+      if args.only is not None and f"{shape.section} {shape.name}" not in args.only:
+        continue
       if time.perf_counter() - started > args.time_budget:
         meta["skipped"].append(f"{shape.section} {shape.name}")
         continue
