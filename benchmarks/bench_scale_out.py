@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxspec
-from benchmarks._timing import profile_stateful, time_jax, time_stateful
+from benchmarks._timing import profile_stateful, time_stateful
 from jaxspec.model import sharding
 from jaxspec.model.config import glm45_air, tiny
 from jaxspec.model.metadata import KernelChoices
@@ -62,31 +62,47 @@ def _write(results, out: Path) -> None:
   out.with_suffix(".md").write_text(_markdown(results))
 
 
-def _read_bandwidth(mesh, gib_per_device: float, reps: int) -> float:
+def _wall_seconds(fn, args_list, iters: int) -> float:
+  """Median over 3 repeats of the wall time of `iters` back-to-back calls (cycling through
+  `args_list`), synchronised once, per call. For programs over several devices, where the
+  launch-difference method of `time_jax` does not hold."""
+  jax.block_until_ready(fn(*args_list[0]))
+  samples = []
+  for _ in range(3):
+    start = time.perf_counter()
+    out = None
+    for i in range(iters):
+      out = fn(*args_list[i % len(args_list)])
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / iters)
+  return float(np.median(samples))
+
+
+def _read_bandwidth(mesh, gib_per_device: float) -> float:
   """Bytes per second one GPU reads (float32 sum of a bf16 array, per device)."""
   devices = mesh.devices.size
   rows = int(gib_per_device * 2**30 / (2 * 8192)) * devices
   spec = NamedSharding(mesh, P(("ep", "tp")))
-  xs = [
-    jax.jit(lambda k: jax.random.normal(k, (rows, 8192), jnp.bfloat16), out_shardings=spec)(
-      jax.random.key(i)
-    )
-    for i in range(2)
-  ]
-  seconds = time_jax(lambda x: jnp.sum(x, dtype=jnp.float32), xs, reps=reps)
+  make = jax.jit(lambda k: jax.random.normal(k, (rows, 8192), jnp.bfloat16), out_shardings=spec)
+  xs = [(make(jax.random.key(i)),) for i in range(2)]
+  seconds = _wall_seconds(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), xs, 20)
   return rows // devices * 8192 * 2 / seconds
 
 
-def _allreduce_latency(mesh, rows: int, hidden: int, reps: int) -> float:
-  """Seconds of one all-reduce of [rows, hidden] bf16 partial sums over every mesh device."""
+def _allreduce_latency(mesh, rows: int, hidden: int) -> float:
+  """Seconds of one all-reduce of [rows, hidden] bf16 over every mesh device: one program runs
+  `repeats` dependent all-reduces back to back, so launch costs drop out."""
+  repeats = 64
 
-  def reduce(x):
-    return jax.shard_map(
-      lambda a: jax.lax.psum(a, ("ep", "tp")), mesh=mesh, in_specs=P(), out_specs=P()
-    )(x)
+  def chain(x):
+    def body(_, a):
+      return jax.lax.psum(a, ("ep", "tp")) * 0.5
 
-  xs = [jax.random.normal(jax.random.key(i), (rows, hidden), jnp.bfloat16) for i in range(8)]
-  return time_jax(reduce, xs, reps=reps)
+    return jax.lax.fori_loop(0, repeats, body, x)
+
+  run = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+  x = jax.random.normal(jax.random.key(0), (rows, hidden), jnp.bfloat16)
+  return _wall_seconds(run, [(x,)], 5) / repeats
 
 
 def _random_cache(model, num_pages, page_size, key):
@@ -187,12 +203,12 @@ def main():
     "page_size": args.page_size,
   }
 
-  read_bw = _read_bandwidth(mesh, bandwidth_gib, args.reps)
+  read_bw = _read_bandwidth(mesh, bandwidth_gib)
   results["read_bandwidth_per_gpu"] = read_bw
   q_lens = [1, *(k + 1 for k in args.ks)]
   rows_needed = sorted({b * q for b in args.batches + args.spec_batches for q in q_lens})
   results["allreduce_s"] = {
-    rows: _allreduce_latency(mesh, rows, config.hidden_size, args.reps) for rows in rows_needed
+    rows: _allreduce_latency(mesh, rows, config.hidden_size) for rows in rows_needed
   }
   log(f"read bandwidth {read_bw / 1e12:.2f} TB/s per GPU; all-reduce {results['allreduce_s']}")
   _write(results, args.out)
