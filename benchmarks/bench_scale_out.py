@@ -3,7 +3,7 @@
 Runs on the GPUs of one host (two H200s for GLM-4.5-Air: 212 GB of bf16 weights do not fit one).
 The model is GLM-4.5-Air's (46 layers + the MTP layer, hidden 4096, 96 / 8 heads, 128 routed
 experts top-8 + 1 shared, partial RoPE 0.5, bf16) with random weights created directly in their
-shards (`jaxspec.model.sharding.init_sharded`), and a paged cache of random values (never zeros)
+shards (one small program per parameter shape), and a paged cache of random values (never zeros)
 holding `--context` tokens per request. In one process:
 
 1. ceilings, measured here: per-GPU read bandwidth (a float32 sum over a bf16 array of 4 GiB per
@@ -106,17 +106,63 @@ def _allreduce_latency(mesh, rows: int, hidden: int) -> float:
 
 
 def _random_cache(model, num_pages, page_size, key):
-  """The model's cache (target and MTP layers) in its shards, filled with random values."""
+  """The model's cache (target and MTP layers) in its shards, filled with random values.
+
+  One array at a time, in place (donated): beside 106 GB of weights per GPU, filling the whole
+  cache in one program ran out of memory on its temporaries.
+  """
   cache = model.init_cache(num_pages, page_size, draft=True)
-  shardings = jax.tree.map(lambda x: x.sharding, cache)
   leaves, treedef = jax.tree.flatten(cache)
+  fills = {}  # one compiled fill per (shape, dtype, sharding), shared by the layers
+  filled = []
+  for i, leaf in enumerate(leaves):
+    signature = (leaf.shape, leaf.dtype, leaf.sharding)
+    if signature not in fills:
+      fills[signature] = jax.jit(
+        lambda x, k: jax.random.normal(k, x.shape, x.dtype),
+        out_shardings=leaf.sharding,
+        donate_argnums=0,
+      )
+    filled.append(fills[signature](leaf, jax.random.fold_in(key, i)))
+  return jax.tree.unflatten(treedef, filled)
 
-  def fill(leaves):
-    keys = jax.random.split(key, len(leaves))
-    return [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
 
-  fill = jax.jit(fill, out_shardings=jax.tree.leaves(shardings), donate_argnums=0)
-  return jax.tree.unflatten(treedef, fill(leaves))
+def _random_model(config, mesh, seed: int):
+  """GLM weights of the config's shapes created parameter by parameter in their shards: N(0, 0.02)
+  matrices (the modules' init), norm weights 1 and biases 0.
+
+  One small program per distinct (shape, dtype, sharding), shared by all layers: the whole model
+  as one initialisation program took 206 s to compile at 46 layers.
+  """
+
+  def build():
+    return jaxspec.GlmForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed), mesh=mesh)
+
+  abstract = nnx.eval_shape(build)
+  graphdef, abstract_state = nnx.split(abstract)
+  specs = sharding.param_specs(abstract, sharding.sharding_rules(config, mesh))
+  makers = {}
+  flat = []
+  for i, (path, variable) in enumerate(nnx.to_flat_state(abstract_state)):
+    shape, dtype = tuple(variable.shape), variable.get_value().dtype
+    target = NamedSharding(mesh, specs[path])
+    if len(shape) >= 2:
+      kind = "normal"
+    elif path[-1] == "weight" and "e_score_correction_bias" not in path:
+      kind = "ones"
+    else:
+      kind = "zeros"
+    signature = (shape, dtype, target, kind)
+    if signature not in makers:
+
+      def make(k, shape=shape, dtype=dtype, kind=kind):
+        if kind == "normal":
+          return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        return (jnp.ones if kind == "ones" else jnp.zeros)(shape, dtype)
+
+      makers[signature] = jax.jit(make, out_shardings=target)
+    flat.append((path, variable.replace(makers[signature](jax.random.key(seed * 100003 + i)))))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _weight_bytes(model, batch: int) -> tuple[float, float]:
@@ -214,7 +260,7 @@ def main():
   _write(results, args.out)
 
   t0 = time.perf_counter()
-  model = sharding.init_sharded(config, mesh, dtype=jnp.bfloat16, seed=0)
+  model = _random_model(config, mesh, seed=0)
   jax.block_until_ready(nnx.state(model))
   results["init_s"] = time.perf_counter() - t0
   log(f"model created in its shards in {results['init_s']:.1f} s")
