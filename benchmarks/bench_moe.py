@@ -165,9 +165,13 @@ def time_torch_grouped_mm(layer, variants):
     state["i"] = (state["i"] + 1) % len(inputs)
     return moe(*inputs[state["i"]])
 
-  want = routed_experts(*variants[0], *layer.weights, impl="xla")
-  error = relative_rms(jax.dlpack.from_dlpack(moe(*inputs[0]).contiguous()), want)
-  return time_torch(call, inner=len(inputs)), error
+  seconds = time_torch(call, inner=len(inputs))
+  try:  # the XLA reference may not fit at the largest sizes; the timing stands without it
+    want = routed_experts(*variants[0], *layer.weights, impl="xla")
+    error = relative_rms(jax.dlpack.from_dlpack(moe(*inputs[0]).contiguous()), want)
+  except Exception as failure:
+    error = f"not computed: {type(failure).__name__}: {str(failure)[:120]}"
+  return seconds, error
 
 
 def relative_rms(out, want) -> float:
@@ -238,10 +242,13 @@ def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
       if name == "ours":
         fn = jax_contender("pallas", interpret=smoke)
         seconds = timed(fn, variants, layer, reps, warmup)
-        out = fn(variants[0], *layer.weights)
-        row["ours_error_vs_xla"] = relative_rms(
-          out, jax_contender("xla")(variants[0], *layer.weights)
-        )
+        try:  # the XLA reference may not fit at the largest sizes; the timing stands without it
+          out = fn(variants[0], *layer.weights)
+          row["ours_error_vs_xla"] = relative_rms(
+            out, jax_contender("xla")(variants[0], *layer.weights)
+          )
+        except Exception as failure:
+          row["ours_error_vs_xla"] = f"not computed: {type(failure).__name__}"
       elif name == "xla":
         # The XLA path takes ~0.1 s per call at 2048 tokens: two calls, few repetitions.
         slow = num_tokens >= 384
@@ -359,9 +366,10 @@ def breakdown(rng, layer, token_counts, breakdowns, save):
         _, timings = profiler.measure(call, aggregate=False)(variant, *layer.weights)
         if not kernels:
           kernels = [[name, ms * 1e3] for name, ms in timings]
-        else:
+        elif [name for name, _ in timings] == [name for name, _ in kernels]:
           for kernel, (_, ms) in zip(kernels, timings, strict=True):
             kernel[1] = min(kernel[1], ms * 1e3)
+        # A call with other kernels (a one-off copy, say) is left out of the minimum.
       entry["kernels_us"] = kernels
     except Exception as error:
       entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
@@ -472,7 +480,8 @@ def render_markdown(meta, rows, breakdowns, tuning):
   for row in rows:
     ours = row.get("ours", {})
     over = f"{ours['us'] / row['limit_us']:.2f}" if "us" in ours else "n/a"
-    error = f"{row['ours_error_vs_xla']:.1e}" if "ours_error_vs_xla" in row else "n/a"
+    error = row.get("ours_error_vs_xla", "n/a")
+    error = f"{error:.1e}" if isinstance(error, float) else error
     lines.append(
       f"| {row['shape']} | {row['tokens']} | {row['experts_touched']:.1f} "
       f"| {row['limit_us']:.0f} ({row['limit_bound']}) | {us(ours)} | {over} "
