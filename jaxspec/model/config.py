@@ -18,6 +18,8 @@ import math
 import os
 from typing import Any, ClassVar, Literal
 
+from jaxspec.checks import is_int, is_number
+
 AttentionKind = Literal["gqa", "mla"]
 
 # model_type -> config class, filled by `ModelConfig.__init_subclass__`.
@@ -31,14 +33,6 @@ def eos_token_tuple(eos_token_id) -> tuple[int, ...]:
   if isinstance(eos_token_id, int):
     return (eos_token_id,)
   return tuple(eos_token_id)
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,15 +107,15 @@ class ModelConfig:
   def _validate(self) -> None:
     for name in self.required_fields + ("max_position_embeddings", "moe_intermediate_size"):
       value = getattr(self, name)
-      if not _is_int(value) or value <= 0:
+      if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     for name in ("first_k_dense_replace", "num_nextn_predict_layers"):
       value = getattr(self, name)
-      if not _is_int(value) or value < 0:
+      if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     for name, (low, high) in self._float_ranges.items():
       value = getattr(self, name)
-      if not _is_number(value) or not math.isfinite(value):
+      if not is_number(value) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
       if (low is not None and value <= low) or (high is not None and value >= high):
         bounds = f"({low}, {'inf' if high is None else high})"
@@ -131,12 +125,12 @@ class ModelConfig:
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("bos_token_id", "pad_token_id"):
       value = getattr(self, name)
-      if value is not None and (not _is_int(value) or not 0 <= value < self.vocab_size):
+      if value is not None and (not is_int(value) or not 0 <= value < self.vocab_size):
         raise ValueError(
           f"{name} must be None or a token id in [0, {self.vocab_size}), got {value!r}"
         )
     for token in self.eos_token_ids:
-      if not _is_int(token) or not 0 <= token < self.vocab_size:
+      if not is_int(token) or not 0 <= token < self.vocab_size:
         raise ValueError(
           f"eos_token_id must hold token ids in [0, {self.vocab_size}), got {token!r}"
         )
@@ -149,13 +143,13 @@ class ModelConfig:
   def _validate_moe(self) -> None:
     for name in ("num_experts_per_tok", "n_shared_experts", "n_routed_experts", "n_group"):
       value = getattr(self, name)
-      if not _is_int(value) or value <= 0:
+      if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if self.n_routed_experts % self.n_group:
       raise ValueError(
         f"n_routed_experts ({self.n_routed_experts}) must be a multiple of n_group ({self.n_group})"
       )
-    if not _is_int(self.topk_group) or not 1 <= self.topk_group <= self.n_group:
+    if not is_int(self.topk_group) or not 1 <= self.topk_group <= self.n_group:
       raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
     if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
       raise ValueError(
@@ -309,11 +303,11 @@ class GlmConfig(ModelConfig):
   use_qk_norm: bool = False
 
   def _complete(self) -> None:
-    if self.head_dim is None and _is_int(self.num_attention_heads) and self.num_attention_heads:
+    if self.head_dim is None and is_int(self.num_attention_heads) and self.num_attention_heads:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
   def _validate_family(self) -> None:
-    if not _is_int(self.head_dim) or self.head_dim <= 0:
+    if not is_int(self.head_dim) or self.head_dim <= 0:
       raise ValueError(f"head_dim must be a positive integer, got {self.head_dim!r}")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
@@ -321,7 +315,7 @@ class GlmConfig(ModelConfig):
         f"num_key_value_heads ({self.num_key_value_heads})"
       )
     factor = self.partial_rotary_factor
-    if not _is_number(factor) or not 0.0 < factor <= 1.0:
+    if not is_number(factor) or not 0.0 < factor <= 1.0:
       raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
     if self.rotary_dim % 2 or self.rotary_dim == 0:
       raise ValueError(

@@ -13,7 +13,8 @@ group.
 import dataclasses
 from typing import Any, ClassVar
 
-from jaxspec.model.config import AttentionKind, ModelConfig, _is_int
+from jaxspec.checks import is_int
+from jaxspec.model.config import AttentionKind, ModelConfig
 
 MODEL_TYPE = "glm_moe_dsa"
 INDEXER_TYPES = ("full", "shared")
@@ -85,9 +86,9 @@ class GlmDsaConfig(ModelConfig):
   def _complete(self) -> None:
     if self.num_key_value_heads is None:
       object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-    if self.indexer_types is None and _is_int(self.num_hidden_layers):
+    if self.indexer_types is None and is_int(self.num_hidden_layers):
       object.__setattr__(self, "indexer_types", derive_indexer_types(self.num_hidden_layers))
-    if self.mlp_layer_types is None and _is_int(self.num_hidden_layers):
+    if self.mlp_layer_types is None and is_int(self.num_hidden_layers):
       dense = min(self.first_k_dense_replace, self.num_hidden_layers)
       kinds = ("dense",) * dense + ("sparse",) * (self.num_hidden_layers - dense)
       object.__setattr__(self, "mlp_layer_types", kinds)
@@ -95,7 +96,7 @@ class GlmDsaConfig(ModelConfig):
   def _validate_family(self) -> None:
     for name in self._positive_fields:
       value = getattr(self, name)
-      if not _is_int(value) or value <= 0:
+      if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if self.num_key_value_heads != self.num_attention_heads:
       raise ValueError(

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxspec.checks import is_int
 from jaxspec.kernels.dispatch import IMPLS
 from jaxspec.model.cache import ModelCache
 from jaxspec.model.metadata import KernelChoices
@@ -32,10 +33,6 @@ from jaxspec.serving.steps import decode_step, prefill_step
 
 MAX_LOOKAHEAD = 8
 KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")  # "auto": the model's dtype
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,14 +60,14 @@ class EngineConfig:
   def __post_init__(self):
     for name in ("max_batch_size", "max_seq_len", "page_size", "min_prompt_bucket"):
       value = getattr(self, name)
-      if not _is_int(value) or value <= 0:
+      if not is_int(value) or value <= 0:
         raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-    if self.num_pages is not None and (not _is_int(self.num_pages) or self.num_pages <= 0):
+    if self.num_pages is not None and (not is_int(self.num_pages) or self.num_pages <= 0):
       raise ValueError(
         f"EngineConfig.num_pages must be a positive int or None (enough for every request at "
         f"max_seq_len), got {self.num_pages!r}"
       )
-    if self.shuffle_pages_seed is not None and not _is_int(self.shuffle_pages_seed):
+    if self.shuffle_pages_seed is not None and not is_int(self.shuffle_pages_seed):
       raise ValueError(
         f"EngineConfig.shuffle_pages_seed must be an int or None, got {self.shuffle_pages_seed!r}"
       )
@@ -346,13 +343,13 @@ class Generator:
   def _check_requests(self, prompts, max_new_tokens, sampling, seed, stop_token_ids):
     """Checks every request before any device work; returns the prompts as lists of ints."""
     cfg, model_config = self.config, self.model.config
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(sampling, SamplingParams):
       raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if not _is_int(seed) or not -(2**63) <= seed < 2**64:
+    if not is_int(seed) or not -(2**63) <= seed < 2**64:
       raise ValueError(f"seed must be an int that fits in 64 bits, got {seed!r}")
-    if stop_token_ids is not None and not all(_is_int(t) for t in stop_token_ids):
+    if stop_token_ids is not None and not all(is_int(t) for t in stop_token_ids):
       raise ValueError(f"stop_token_ids must be ints, got {stop_token_ids!r}")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
       raise ValueError("prompts must be a non-empty sequence of token-id sequences")
@@ -364,7 +361,7 @@ class Generator:
         raise ValueError(f"prompt {i} must be a sequence of token ids, got {type(prompt).__name__}")
       if len(prompt) == 0:
         raise ValueError(f"prompt {i} is empty")
-      if not all(_is_int(t) for t in prompt):
+      if not all(is_int(t) for t in prompt):
         raise ValueError(f"prompt {i} holds non-integer token ids")
       prompt = [int(t) for t in prompt]
       if min(prompt) < 0 or max(prompt) >= vocab:

@@ -10,13 +10,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-    value, (bool, np.bool_)
-  )
+from jaxspec.checks import is_int, is_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,15 +23,15 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not _is_number(self.temperature) or not math.isfinite(self.temperature):
+    if not is_number(self.temperature) or not math.isfinite(self.temperature):
       raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, (bool, np.bool_)):
+    if not is_int(self.top_k):
       raise ValueError(f"top_k must be an int (0 = off), got {self.top_k!r}")
     if self.top_k < 0:
       raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-    if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+    if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
     # Plain Python numbers: the params are a static jit argument, hashed into the cache key.
     object.__setattr__(self, "temperature", float(self.temperature))
