@@ -35,6 +35,7 @@ from jaxspec.model.config import glm45_air, tiny
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import DraftInputs, draft_step, verify_step
 
@@ -60,7 +61,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
   `moe` is `KernelChoices.moe`: "auto" (the model's policy), "xla" (its pick between the XLA
   paths) or one implementation for every pass."""
   config = model.config
-  graphdef, params = nnx.split(model)
+  graph, params = split_model(model)
   q_len = k + 1
   pages_per_request = -(-(context + 2 * q_len) // page_size)
   allocator = BlockAllocator(batch * pages_per_request, page_size, shuffle_seed=batch)
@@ -81,7 +82,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
 
   def verify(cache):
     *_, cache = verify_step(
-      graphdef,
+      graph,
       params,
       cache,
       tokens,
@@ -105,7 +106,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
 
       def draft(cache, num_draft=num_draft, prune=prune, inputs=inputs):
         *_, cache = draft_step(
-          graphdef, params, cache, inputs, key, num_draft=num_draft, prune=prune, **statics
+          graph, params, cache, inputs, key, num_draft=num_draft, prune=prune, **statics
         )
         return cache
 
@@ -113,7 +114,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
 
     def cycle(cache, prune=prune):
       accepted, out, target_hidden, cache = verify_step(
-        graphdef,
+        graph,
         params,
         cache,
         tokens,
@@ -124,9 +125,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
         **statics,
       )
       inputs = DraftInputs(target_hidden, out, accepted, committed + 1 + accepted, block_tables)
-      *_, cache = draft_step(
-        graphdef, params, cache, inputs, key, num_draft=k, prune=prune, **statics
-      )
+      *_, cache = draft_step(graph, params, cache, inputs, key, num_draft=k, prune=prune, **statics)
       return cache
 
     times[f"cycle_{tag}"], cache = time_stateful(cycle, cache, iters, reps)

@@ -53,6 +53,7 @@ from jaxspec.model.dsa_config import glm53_small
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.steps import decode_step
 
@@ -82,7 +83,7 @@ def compile_steps(config, batches, context, impl, progress):
     [allocator.allocate(pages_per_request) for _ in range(max(batches))], jnp.int32
   )  # [max batch, pages_per_request]
   model = GlmForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  graphdef, params = nnx.split(model)
+  graph, params = split_model(model)
   cache = random_cache(model, allocator.num_pages)
   rng = np.random.default_rng(0)
   inputs = {
@@ -101,7 +102,7 @@ def compile_steps(config, batches, context, impl, progress):
     )
     for batch in batches:
       traced = decode_step.trace(
-        graphdef, params, cache, *inputs[batch], sampling=GREEDY, kernels=kernels
+        graph, params, cache, *inputs[batch], sampling=GREEDY, kernels=kernels
       )
       conversions[mode, batch] = count_calls(traced.jaxpr, CONVERSION)
       lowered[mode, batch] = traced.lower()

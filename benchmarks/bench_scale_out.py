@@ -48,6 +48,7 @@ from jaxspec.model import sharding
 from jaxspec.model.config import glm45_air, tiny
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import DraftInputs, draft_step, verify_step
 from jaxspec.serving.steps import decode_step
@@ -264,7 +265,7 @@ def main():
   jax.block_until_ready(nnx.state(model))
   results["init_s"] = time.perf_counter() - t0
   log(f"model created in its shards in {results['init_s']:.1f} s")
-  graphdef, params = nnx.split(model)
+  graph, params = split_model(model)
 
   max_batch = max(args.batches + args.spec_batches)
   max_q = max(args.ks) + 1
@@ -300,7 +301,7 @@ def main():
   lowered = {}
   for batch in args.batches:
     lowered[batch] = decode_step.trace(
-      graphdef,
+      graph,
       params,
       cache,
       tokens(batch, 1),
@@ -348,7 +349,7 @@ def main():
     for k in args.ks:
       q_len = k + 1
       lowered["verify", batch, k] = verify_step.trace(
-        graphdef,
+        graph,
         params,
         cache,
         tokens(batch, q_len),
@@ -362,7 +363,7 @@ def main():
       inputs = _draft_inputs(config, batch, k, args.context, block_tables[:batch], rng)
       for prune in (True, False):
         lowered["draft", batch, k, prune] = draft_step.trace(
-          graphdef,
+          graph,
           params,
           cache,
           inputs,

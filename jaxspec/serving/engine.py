@@ -19,7 +19,6 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxspec.checks import is_int
@@ -28,6 +27,7 @@ from jaxspec.model.cache import ModelCache
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.kv_cache import BlockAllocator, OutOfPagesError
+from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY, SamplingParams
 from jaxspec.serving.steps import decode_step, prefill_step
 
@@ -230,7 +230,7 @@ class _PlainWave:
     engine = self.engine
     seq_lens = np.where(wave.done, 0, wave.committed + 1).astype(np.int32)
     next_tokens, engine.cache = decode_step(
-      engine.graphdef,
+      engine.graph,
       engine.params,
       engine.cache,
       jnp.asarray(self.tokens[:, None]),
@@ -274,7 +274,7 @@ class Generator:
     self.strategy.check_model(model)
     self.model = model
     self.config = config
-    self.graphdef, self.params = nnx.split(model)
+    self.graph, self.params = split_model(model)
     self.allocator = BlockAllocator(
       config.total_pages, config.page_size, shuffle_seed=config.shuffle_pages_seed
     )
@@ -426,7 +426,7 @@ class Generator:
   def _prefill(self, wave: Wave) -> tuple[Prefill, float]:
     t0 = time.perf_counter()
     next_tokens, hidden, self.cache = prefill_step(
-      self.graphdef,
+      self.graph,
       self.params,
       self.cache,
       jnp.asarray(wave.input_ids),

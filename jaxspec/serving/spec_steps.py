@@ -20,11 +20,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxspec.model.cache import ModelCache
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.acceptance import greedy_accept, rejection_sample
+from jaxspec.serving.model_graph import ModelGraph
 from jaxspec.serving.sampling import SamplingParams, sample, sampling_probs
 from jaxspec.serving.steps import STATIC, decode_metadata, prefill_metadata
 
@@ -45,8 +45,8 @@ class DraftInputs:
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
 def verify_step(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
+  graph: ModelGraph,
+  params: list[jax.Array],  # graph.num_params arrays (split_model)
   cache: ModelCache,
   tokens: jax.Array,  # int32 [B, q_len]: last committed token, then the k drafts
   seq_lens: jax.Array,  # int32 [B]: committed length + q_len; 0 = inactive slot
@@ -62,7 +62,7 @@ def verify_step(
   Returns (num_accepted int32 [B], tokens int32 [B, q_len] (accepted drafts, bonus, then -1),
   target hidden [B, q_len, H] for the draft step, cache).
   """
-  model = nnx.merge(graphdef, params)
+  model = graph.merge(params)
   step = decode_metadata(seq_lens, block_tables, tokens.shape[1], cache.page_size, kernels)
   hidden, cache = model.forward(tokens, step, cache)
   logits = model.logits(hidden)  # [B, q_len, V]
@@ -120,8 +120,8 @@ def _draft(
 
 
 def draft_step_impl(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
+  graph: ModelGraph,
+  params: list[jax.Array],  # graph.num_params arrays (split_model)
   cache: ModelCache,
   inputs: DraftInputs,
   key: jax.Array,
@@ -136,7 +136,7 @@ def draft_step_impl(
   Returns (drafts int32 [B, k], draft_probs float32 [B, k, V] or None when greedy, cache).
   `draft_step` is this function jitted; tests trace this one to inspect shapes and MoE choices.
   """
-  model = nnx.merge(graphdef, params)
+  model = graph.merge(params)
   batch_size, q_len = inputs.emitted.shape
   active = inputs.committed_lens > 0
   # Rows of this cycle start at MTP index committed - 1 - a (the verify's first position).
@@ -167,8 +167,8 @@ draft_step = jax.jit(draft_step_impl, static_argnames=DRAFT_STATIC, donate_argna
 
 @functools.partial(jax.jit, static_argnames=DRAFT_STATIC, donate_argnames=("cache",))
 def draft_prefill_step(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
+  graph: ModelGraph,
+  params: list[jax.Array],  # graph.num_params arrays (split_model)
   cache: ModelCache,
   target_hidden: jax.Array,  # [B, T, H] from the target prefill
   input_ids: jax.Array,  # int32 [B, T] prompts
@@ -187,7 +187,7 @@ def draft_prefill_step(
   MTP row t takes the target hidden of position t and the token of position t + 1 (the prompt
   shifted left, `first_tokens` at the last prompt row). Returns (drafts, draft_probs, cache).
   """
-  model = nnx.merge(graphdef, params)
+  model = graph.merge(params)
   batch_size, num_tokens = input_ids.shape
   rows = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), input_ids.shape)
   last_row = jnp.maximum(prompt_lens - 1, 0)

@@ -85,7 +85,7 @@ class _MtpWave:
     self.statics = dict(sampling=wave.sampling, kernels=engine.config.kernels)
     self.drafting = dict(num_draft=spec.num_speculative_tokens, prune=spec.prune_draft_rows)
     self.drafts, self.draft_probs, engine.cache = draft_prefill_step(
-      engine.graphdef,
+      engine.graph,
       engine.params,
       engine.cache,
       prefill.hidden,
@@ -104,7 +104,7 @@ class _MtpWave:
     done = jnp.asarray(wave.done)
     seq_lens = np.where(wave.done, 0, wave.committed + self.spec.q_len).astype(np.int32)
     num_accepted, emitted, hidden, engine.cache = verify_step(
-      engine.graphdef,
+      engine.graph,
       engine.params,
       engine.cache,
       jnp.concatenate([self.last_tokens[:, None], self.drafts], axis=1),
@@ -123,7 +123,7 @@ class _MtpWave:
     )
     # The draft step is dispatched before the host reads the emitted tokens (the only copy back).
     self.drafts, self.draft_probs, engine.cache = draft_step(
-      engine.graphdef,
+      engine.graph,
       engine.params,
       engine.cache,
       inputs,

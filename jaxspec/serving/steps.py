@@ -1,22 +1,23 @@
 """Static-shape step functions, each one `jit` boundary with the model's cache donated.
 
-Every step takes the model as `(graphdef, params)` (static graph, array state), so the compiled
-program depends only on the shape bucket and the static options (sampling, `KernelChoices`),
-never on lengths or positions, which stay device arrays.
+Every step takes the model as `(graph, params)` from `split_model` (a static `ModelGraph`, a flat
+list of arrays: cheap for `jit` to hash and flatten on every call), so the compiled program
+depends only on the shape bucket and the static options (sampling, `KernelChoices`), never on
+lengths or positions, which stay device arrays.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxspec.model.cache import ModelCache
 from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.serving.kv_cache import slot_mapping
+from jaxspec.serving.model_graph import ModelGraph
 from jaxspec.serving.sampling import SamplingParams, sample
 
-STATIC = ("graphdef", "sampling", "kernels")
+STATIC = ("graph", "sampling", "kernels")
 
 
 def prefill_metadata(
@@ -62,8 +63,8 @@ def decode_metadata(
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
 def prefill_step(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
+  graph: ModelGraph,
+  params: list[jax.Array],  # graph.num_params arrays (split_model)
   cache: ModelCache,
   input_ids: jax.Array,  # int32 [B, T], request b's prompt in [:prompt_lens[b]]
   prompt_lens: jax.Array,  # int32 [B], 0 = padding request
@@ -77,7 +78,7 @@ def prefill_step(
 
   Returns (next_tokens int32 [B], hidden [B, T, H] after the final norm, cache).
   """
-  model = nnx.merge(graphdef, params)
+  model = graph.merge(params)
   step = prefill_metadata(prompt_lens, block_tables, input_ids.shape[1], cache.page_size, kernels)
   hidden, cache = model.forward(input_ids, step, cache)
   last = jnp.clip(prompt_lens - 1, 0, input_ids.shape[1] - 1)
@@ -88,8 +89,8 @@ def prefill_step(
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("cache",))
 def decode_step(
-  graphdef: nnx.GraphDef,
-  params: nnx.State,
+  graph: ModelGraph,
+  params: list[jax.Array],  # graph.num_params arrays (split_model)
   cache: ModelCache,
   tokens: jax.Array,  # int32 [B, 1]
   seq_lens: jax.Array,  # int32 [B], KV length including this token; 0 = padding
@@ -103,7 +104,7 @@ def decode_step(
 
   Returns (next_tokens int32 [B], cache).
   """
-  model = nnx.merge(graphdef, params)
+  model = graph.merge(params)
   step = decode_metadata(seq_lens, block_tables, tokens.shape[1], cache.page_size, kernels)
   hidden, cache = model.forward(tokens, step, cache)
   next_tokens = sample(model.logits(hidden[:, -1]), key, sampling)

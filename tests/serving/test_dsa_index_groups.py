@@ -14,6 +14,7 @@ from jaxspec.kernels.sparse_index import api as sparse_index_api
 from jaxspec.model.dsa_config import glm53_small
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
+from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import DraftInputs, draft_step, verify_step
 from jaxspec.serving.steps import decode_step
@@ -32,19 +33,17 @@ def _kernels(index_sharing):
 
 
 def _abstract(config, draft, num_pages, page_size):
-  """(graphdef, abstract params, abstract cache): tracing needs no weights."""
+  """(graph, abstract params, abstract cache): tracing needs no weights."""
   model = nnx.eval_shape(lambda: GlmForCausalLM(config, rngs=nnx.Rngs(0)))
-  graphdef, params = nnx.split(model)
-  cache = jax.eval_shape(
-    lambda: nnx.merge(graphdef, params).init_cache(num_pages, page_size, draft=draft)
-  )
-  return graphdef, params, cache
+  graph, params = split_model(model)
+  cache = jax.eval_shape(lambda: graph.merge(params).init_cache(num_pages, page_size, draft=draft))
+  return graph, params, cache
 
 
 def _decode_step_jaxpr(config, index_sharing, batch_size=2, page_size=64, max_pages=2):
-  graphdef, params, cache = _abstract(config, False, batch_size * max_pages, page_size)
+  graph, params, cache = _abstract(config, False, batch_size * max_pages, page_size)
   traced = decode_step.trace(
-    graphdef,
+    graph,
     params,
     cache,
     _int_arg(batch_size, 1),
@@ -77,10 +76,10 @@ def test_speculative_steps_convert_once_per_group():
   layer (one full layer) once per draft: k conversions."""
   config = glm53_small()
   batch_size, q_len, num_draft, max_pages = 2, 4, 3, 2
-  graphdef, params, cache = _abstract(config, True, batch_size * max_pages, 64)
+  graph, params, cache = _abstract(config, True, batch_size * max_pages, 64)
   statics = dict(sampling=GREEDY, kernels=_kernels("per_group"))
   verify = verify_step.trace(
-    graphdef,
+    graph,
     params,
     cache,
     _int_arg(batch_size, q_len),
@@ -99,7 +98,7 @@ def test_speculative_steps_convert_once_per_group():
     block_tables=_int_arg(batch_size, max_pages),
   )
   draft = draft_step.trace(
-    graphdef,
+    graph,
     params,
     cache,
     inputs,

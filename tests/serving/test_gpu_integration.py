@@ -15,6 +15,7 @@ from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
 from jaxspec.serving.spec_steps import verify_step
 from jaxspec.serving.steps import decode_metadata
@@ -40,7 +41,7 @@ def test_verify_step_logits_with_the_kernel_match_xla():
   block_tables = jnp.asarray([allocator.allocate(pages) for _ in range(batch)], jnp.int32)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 512, (batch, k + 1)), jnp.int32)
   seq_lens = jnp.asarray([context + k + 1, 17, k + 1, 0], jnp.int32)  # ragged, one padding slot
-  graphdef, params = nnx.split(model)
+  graph, params = split_model(model)
   template = model.init_cache(engine.config.total_pages, page, draft=True)
 
   def random_cache():
@@ -55,7 +56,7 @@ def test_verify_step_logits_with_the_kernel_match_xla():
   results = {}
   for impl in ("pallas", "xla"):
     _, _, hidden, _ = verify_step(
-      graphdef,
+      graph,
       params,
       random_cache(),
       tokens,

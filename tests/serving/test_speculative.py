@@ -96,8 +96,8 @@ def test_oracle_drafts_with_planted_errors_are_accepted_up_to_the_error(random_m
   rng = np.random.default_rng(0)
   planted = []
 
-  def oracle_draft_step(graphdef, params, cache, inputs, key, **kwargs):
-    _, draft_probs, cache = spec_steps.draft_step(graphdef, params, cache, inputs, key, **kwargs)
+  def oracle_draft_step(graph, params, cache, inputs, key, **kwargs):
+    _, draft_probs, cache = spec_steps.draft_step(graph, params, cache, inputs, key, **kwargs)
     committed = np.asarray(inputs.committed_lens)
     drafts = np.zeros((len(committed), k), np.int32)
     errors = rng.integers(0, k + 1, len(committed))
@@ -149,7 +149,7 @@ def _moe_calls(monkeypatch, prune, model, batch, q_len):
   )
   jax.make_jaxpr(
     lambda cache: spec_steps.draft_step_impl(
-      generator.graphdef,
+      generator.graph,
       generator.params,
       cache,
       inputs,
