@@ -664,18 +664,18 @@ def _load_parameter(
   stored_sharding = (
     sharding if entry.layout == "copy" else _transposed_sharding(sharding, len(shape))
   )
-  # Devices holding the same slice (replication) share one read; the host keeps at most one
-  # parameter's worth of slices.
-  slices = {}
-
-  def read_once(index: tuple[slice, ...]) -> np.ndarray:
+  # One slice on the host at a time: each is read, put on its device and released before the
+  # next is read (`jax.make_array_from_callback` holds every device's slice, the whole tensor, until
+  # it places them together). Devices holding the same slice (replication) copy it from the first.
+  shards, placed = [], {}
+  for device, index in stored_sharding.addressable_devices_indices_map(stored_shape).items():
     key = tuple((s.start, s.stop, s.step) for s in index)
-    if key not in slices:
-      slices[key] = read(index)
-    return slices[key]
-
-  stored = jax.make_array_from_callback(stored_shape, stored_sharding, read_once)
-  slices.clear()
+    if key in placed:
+      shard = jax.device_put(placed[key], device)
+    else:
+      shard = placed[key] = jax.device_put(read(index), device).block_until_ready()
+    shards.append(shard)
+  stored = jax.make_array_from_single_device_arrays(stored_shape, stored_sharding, shards)
   return convert(stored)
 
 
