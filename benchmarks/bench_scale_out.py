@@ -123,23 +123,29 @@ def _allreduce_latency(mesh, rows: int, hidden: int) -> float:
 def _random_cache(model, num_pages, page_size, key):
   """The model's cache (target and MTP layers) in its shards, filled with random values.
 
-  One array at a time, in place (donated): beside 106 GB of weights per GPU, filling the whole
-  cache in one program ran out of memory on its temporaries.
+  Each array is created random where it lives, one at a time: beside 102 GiB of weights per GPU,
+  zeroed pages filled afterwards (two copies of a page array at a time, whenever XLA does not
+  reuse the donated one) ran out of memory.
   """
-  cache = model.init_cache(num_pages, page_size, draft=True)
-  leaves, treedef = jax.tree.flatten(cache)
+  abstract = jax.eval_shape(lambda: model.init_cache(num_pages, page_size, draft=True))
+  leaves, treedef = jax.tree.flatten(abstract)
+  shardings = jax.tree.leaves(sharding.cache_shardings(abstract, model.config, model.mesh))
   fills = {}  # one compiled fill per (shape, dtype, sharding), shared by the layers
   filled = []
-  for i, leaf in enumerate(leaves):
-    signature = (leaf.shape, leaf.dtype, leaf.sharding)
+  for i, (leaf, placement) in enumerate(zip(leaves, shardings, strict=True)):
+    signature = (leaf.shape, leaf.dtype, placement)
     if signature not in fills:
       fills[signature] = jax.jit(
-        lambda x, k: jax.random.normal(k, x.shape, x.dtype),
-        out_shardings=leaf.sharding,
-        donate_argnums=0,
+        lambda k, shape=leaf.shape, dtype=leaf.dtype: jax.random.normal(k, shape, dtype),
+        out_shardings=placement,
       )
-    filled.append(fills[signature](leaf, jax.random.fold_in(key, i)))
+    filled.append(fills[signature](jax.random.fold_in(key, i)))
   return jax.tree.unflatten(treedef, filled)
+
+
+def _gib_in_use() -> str:
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  return ", ".join(f"{s.get('bytes_in_use', 0) / 2**30:.1f}" for s in stats) + " GiB in use"
 
 
 def _random_model(config, mesh, seed: int):
@@ -278,7 +284,7 @@ def main():
   model = _random_model(config, mesh, seed=0)
   jax.block_until_ready(nnx.state(model))
   results["init_s"] = time.perf_counter() - t0
-  log(f"model created in its shards in {results['init_s']:.1f} s")
+  log(f"model created in its shards in {results['init_s']:.1f} s ({_gib_in_use()})")
   graph, params = split_model(model)
 
   max_batch = max(args.batches + args.spec_batches)
@@ -290,6 +296,7 @@ def main():
   )
   cache = _random_cache(model, allocator.num_pages, args.page_size, jax.random.key(1))
   jax.block_until_ready(cache)
+  log(f"cache of {allocator.num_pages} pages created ({_gib_in_use()})")
   stats = jax.devices()[0].memory_stats() or {}
   kv_per_token = _kv_bytes_per_token(model)
   results["kv_bytes_per_token"] = kv_per_token
