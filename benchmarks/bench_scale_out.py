@@ -31,6 +31,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -268,6 +269,7 @@ def main():
     "model": {"layers": config.num_hidden_layers, "preset": "tiny" if args.smoke else "glm45_air"},
     "context": args.context,
     "page_size": args.page_size,
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
   }
 
   read_bw = _read_bandwidth(mesh, bandwidth_gib)
@@ -455,6 +457,8 @@ def main():
         per_call, cache = profile_stateful(traced, cache, iterations=3)
       except Exception as error:  # a profiler failure is reported, not fatal
         results["profile"][batch] = f"unavailable: {type(error).__name__}: {str(error)[:300]}"
+        log(f"profile B{batch}: {results['profile'][batch]}")
+        _write(results, args.out)
         continue
       kernels = per_call[-1]
       totals = _categorise(kernels)
@@ -521,6 +525,8 @@ def _markdown(results) -> str:
     f"{results.get('read_bandwidth_per_gpu', 0) / 1e12:.2f} TB/s.",
     "",
   ]
+  if results.get("xla_flags"):
+    lines += [f"XLA_FLAGS: `{results['xla_flags']}`.", ""]
   if "allreduce_s" in results:
     cells = ", ".join(f"{r} rows {s * 1e6:.0f} us" for r, s in results["allreduce_s"].items())
     lines += [f"All-reduce alone (bf16 x hidden): {cells}.", ""]
