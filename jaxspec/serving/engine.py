@@ -32,6 +32,7 @@ from jaxspec.serving.sampling import GREEDY, SamplingParams
 from jaxspec.serving.steps import decode_step, prefill_step
 
 MAX_LOOKAHEAD = 8
+KEYS_PER_SPLIT = 64  # step keys made per device split (Wave.next_key)
 KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")  # "auto": the model's dtype
 
 
@@ -166,11 +167,21 @@ class Wave:
   committed: np.ndarray  # int32 [B] tokens in the target's cache per request
   done: np.ndarray  # bool [B]; padding slots start done
   sampling: SamplingParams
-  key: jax.Array
+  key: jax.Array  # the wave's PRNG key
+  # Key data of the next steps, kept on the host (`steps.step_key`: a step's key costs no device
+  # work): rows of one split of `KEYS_PER_SPLIT`, the last row being the parent of the next split.
+  keys: np.ndarray | None = None
+  keys_used: int = 0
 
-  def next_key(self) -> jax.Array:
-    self.key, key = jax.random.split(self.key)
-    return key
+  def next_key(self) -> np.ndarray:
+    """The next step's key, as host key data."""
+    if self.keys is None or self.keys_used == KEYS_PER_SPLIT - 1:
+      parent = self.key if self.keys is None else jax.random.wrap_key_data(self.keys[-1])
+      # One split shape for every wave: compiled once.
+      self.keys = np.asarray(jax.random.key_data(jax.random.split(parent, KEYS_PER_SPLIT)))
+      self.keys_used = 0
+    self.keys_used += 1
+    return self.keys[self.keys_used - 1]
 
 
 @dataclasses.dataclass
@@ -233,8 +244,8 @@ class _PlainWave:
       engine.graph,
       engine.params,
       engine.cache,
-      jnp.asarray(self.tokens[:, None]),
-      jnp.asarray(seq_lens),
+      self.tokens[:, None],  # host arrays go in with the call: no eager device op per step
+      seq_lens,
       wave.block_tables,
       wave.next_key(),
       sampling=wave.sampling,

@@ -26,7 +26,7 @@ from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.acceptance import greedy_accept, rejection_sample
 from jaxspec.serving.model_graph import ModelGraph
 from jaxspec.serving.sampling import SamplingParams, sample, sampling_probs
-from jaxspec.serving.steps import STATIC, decode_metadata, prefill_metadata
+from jaxspec.serving.steps import STATIC, decode_metadata, prefill_metadata, step_key
 
 DRAFT_STATIC = STATIC + ("num_draft", "prune")
 
@@ -52,7 +52,7 @@ def verify_step(
   seq_lens: jax.Array,  # int32 [B]: committed length + q_len; 0 = inactive slot
   block_tables: jax.Array,  # int32 [B, max_pages]
   draft_probs: jax.Array | None,  # float32 [B, k, V]; None when greedy
-  key: jax.Array,
+  key: jax.Array,  # typed PRNG key, or its uint32 key data
   *,
   sampling: SamplingParams,
   kernels: KernelChoices,
@@ -62,7 +62,7 @@ def verify_step(
   Returns (num_accepted int32 [B], tokens int32 [B, q_len] (accepted drafts, bonus, then -1),
   target hidden [B, q_len, H] for the draft step, cache).
   """
-  model = graph.merge(params)
+  model, key = graph.merge(params), step_key(key)
   step = decode_metadata(seq_lens, block_tables, tokens.shape[1], cache.page_size, kernels)
   hidden, cache = model.forward(tokens, step, cache)
   logits = model.logits(hidden)  # [B, q_len, V]
@@ -124,7 +124,7 @@ def draft_step_impl(
   params: list[jax.Array],  # graph.num_params arrays (split_model)
   cache: ModelCache,
   inputs: DraftInputs,
-  key: jax.Array,
+  key: jax.Array,  # typed PRNG key, or its uint32 key data
   *,
   num_draft: int,
   sampling: SamplingParams,
@@ -136,7 +136,7 @@ def draft_step_impl(
   Returns (drafts int32 [B, k], draft_probs float32 [B, k, V] or None when greedy, cache).
   `draft_step` is this function jitted; tests trace this one to inspect shapes and MoE choices.
   """
-  model = graph.merge(params)
+  model, key = graph.merge(params), step_key(key)
   batch_size, q_len = inputs.emitted.shape
   active = inputs.committed_lens > 0
   # Rows of this cycle start at MTP index committed - 1 - a (the verify's first position).
@@ -175,7 +175,7 @@ def draft_prefill_step(
   prompt_lens: jax.Array,  # int32 [B]; 0 = padding slot
   first_tokens: jax.Array,  # int32 [B]: the token the target sampled after each prompt
   block_tables: jax.Array,
-  key: jax.Array,
+  key: jax.Array,  # typed PRNG key, or its uint32 key data
   *,
   num_draft: int,
   sampling: SamplingParams,
@@ -187,7 +187,7 @@ def draft_prefill_step(
   MTP row t takes the target hidden of position t and the token of position t + 1 (the prompt
   shifted left, `first_tokens` at the last prompt row). Returns (drafts, draft_probs, cache).
   """
-  model = graph.merge(params)
+  model, key = graph.merge(params), step_key(key)
   batch_size, num_tokens = input_ids.shape
   rows = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32), input_ids.shape)
   last_row = jnp.maximum(prompt_lens - 1, 0)
@@ -210,3 +210,45 @@ def draft_prefill_step(
     kernels=kernels,
     prune=prune,
   )
+
+
+@functools.partial(jax.jit, static_argnames=DRAFT_STATIC, donate_argnames=("cache",))
+def cycle_step(
+  graph: ModelGraph,
+  params: list[jax.Array],
+  cache: ModelCache,
+  last_tokens: jax.Array,  # int32 [B]: each request's last committed token
+  drafts: jax.Array,  # int32 [B, k] from the previous draft step
+  draft_probs: jax.Array | None,  # float32 [B, k, V]; None when greedy
+  seq_lens: jax.Array,  # int32 [B]: committed length + k + 1; 0 = inactive slot
+  block_tables: jax.Array,  # int32 [B, max_pages]
+  key: jax.Array,  # typed PRNG key, or its uint32 key data
+  *,
+  num_draft: int,
+  sampling: SamplingParams,
+  kernels: KernelChoices,
+  prune: bool,
+):
+  """One speculative cycle as one program: `verify_step` on the last token and the drafts, then
+  `draft_step` from what it accepted, with the hand-over between them (`DraftInputs`) on the
+  device.
+
+  The engine's loop then makes one dispatch and one copy back per cycle, the emitted tokens.
+  Returns (emitted int32 [B, k + 1] (accepted drafts, bonus, then -1), last_tokens int32 [B],
+  drafts int32 [B, k], draft_probs or None, cache).
+  """
+  verify_key, draft_key = jax.random.split(step_key(key))
+  q_len = drafts.shape[1] + 1
+  tokens = jnp.concatenate([last_tokens[:, None], drafts], axis=1)
+  statics = dict(sampling=sampling, kernels=kernels)
+  num_accepted, emitted, hidden, cache = verify_step(
+    graph, params, cache, tokens, seq_lens, block_tables, draft_probs, verify_key, **statics
+  )
+  # An active request had committed = seq_lens - q_len tokens; it now has 1 + num_accepted more.
+  committed_lens = jnp.where(seq_lens > 0, seq_lens - q_len + 1 + num_accepted, 0)
+  inputs = DraftInputs(hidden, emitted, num_accepted, committed_lens, block_tables)
+  drafts, draft_probs, cache = draft_step(
+    graph, params, cache, inputs, draft_key, num_draft=num_draft, prune=prune, **statics
+  )
+  last_tokens = jnp.take_along_axis(emitted, num_accepted[:, None], axis=1)[:, 0]
+  return emitted, last_tokens, drafts, draft_probs, cache

@@ -1,6 +1,7 @@
 """MTP speculative decoding: draft k tokens with the MTP head, verify them with the target.
 
-One cycle per step, for a static batch of requests (DeepSeek-V3 / GLM MTP as vLLM serves it):
+One cycle per step, for a static batch of requests (DeepSeek-V3 / GLM MTP as vLLM serves it),
+run as one program (`cycle_step`: one dispatch per cycle):
 
 1. `verify_step`: the target runs `q_len = k + 1` rows per request (the last committed token and
    the k drafts) through `paged_decode_attention`; greedy acceptance or rejection sampling keeps a
@@ -22,7 +23,7 @@ import numpy as np
 
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator, Prefill, Wave
-from jaxspec.serving.spec_steps import DraftInputs, draft_prefill_step, draft_step, verify_step
+from jaxspec.serving.spec_steps import cycle_step, draft_prefill_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,37 +102,20 @@ class _MtpWave:
 
   def step(self, wave: Wave) -> np.ndarray:
     engine = self.engine
-    done = jnp.asarray(wave.done)
     seq_lens = np.where(wave.done, 0, wave.committed + self.spec.q_len).astype(np.int32)
-    num_accepted, emitted, hidden, engine.cache = verify_step(
+    emitted, self.last_tokens, self.drafts, self.draft_probs, engine.cache = cycle_step(
       engine.graph,
       engine.params,
       engine.cache,
-      jnp.concatenate([self.last_tokens[:, None], self.drafts], axis=1),
-      jnp.asarray(seq_lens),
-      wave.block_tables,
+      self.last_tokens,
+      self.drafts,
       self.draft_probs,
-      wave.next_key(),
-      **self.statics,
-    )
-    inputs = DraftInputs(
-      target_hidden=hidden,
-      emitted=emitted,
-      num_accepted=num_accepted,
-      committed_lens=jnp.where(done, 0, jnp.asarray(wave.committed) + 1 + num_accepted),
-      block_tables=wave.block_tables,
-    )
-    # The draft step is dispatched before the host reads the emitted tokens (the only copy back).
-    self.drafts, self.draft_probs, engine.cache = draft_step(
-      engine.graph,
-      engine.params,
-      engine.cache,
-      inputs,
+      seq_lens,
+      wave.block_tables,
       wave.next_key(),
       **self.statics,
       **self.drafting,
     )
-    self.last_tokens = jnp.take_along_axis(emitted, num_accepted[:, None], axis=1)[:, 0]
     return np.where(wave.done[:, None], -1, np.asarray(emitted))
 
 

@@ -20,6 +20,19 @@ from jaxspec.serving.sampling import SamplingParams, sample
 STATIC = ("graph", "sampling", "kernels")
 
 
+def step_key(key: jax.Array) -> jax.Array:
+  """A typed PRNG key from a step's `key` argument: a typed key, or its raw `uint32` key data.
+
+  The engine passes key data from a host array it split once per wave: a host array is only
+  copied in with the step's other inputs, where splitting a device key before every step costs
+  three eager device operations (0.66 ms of a 2.3 ms decode step of the default model on an
+  H200 host).
+  """
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  return jax.random.wrap_key_data(key)
+
+
 def prefill_metadata(
   prompt_lens: jax.Array,  # int32 [B], 0 = padding request
   block_tables: jax.Array,  # int32 [B, max_pages]
@@ -69,7 +82,7 @@ def prefill_step(
   input_ids: jax.Array,  # int32 [B, T], request b's prompt in [:prompt_lens[b]]
   prompt_lens: jax.Array,  # int32 [B], 0 = padding request
   block_tables: jax.Array,  # int32 [B, max_pages]
-  key: jax.Array,
+  key: jax.Array,  # typed PRNG key, or its uint32 key data
   *,
   sampling: SamplingParams,
   kernels: KernelChoices,
@@ -78,7 +91,7 @@ def prefill_step(
 
   Returns (next_tokens int32 [B], hidden [B, T, H] after the final norm, cache).
   """
-  model = graph.merge(params)
+  model, key = graph.merge(params), step_key(key)
   step = prefill_metadata(prompt_lens, block_tables, input_ids.shape[1], cache.page_size, kernels)
   hidden, cache = model.forward(input_ids, step, cache)
   last = jnp.clip(prompt_lens - 1, 0, input_ids.shape[1] - 1)
@@ -95,7 +108,7 @@ def decode_step(
   tokens: jax.Array,  # int32 [B, 1]
   seq_lens: jax.Array,  # int32 [B], KV length including this token; 0 = padding
   block_tables: jax.Array,  # int32 [B, max_pages]
-  key: jax.Array,
+  key: jax.Array,  # typed PRNG key, or its uint32 key data
   *,
   sampling: SamplingParams,
   kernels: KernelChoices,
@@ -104,7 +117,7 @@ def decode_step(
 
   Returns (next_tokens int32 [B], cache).
   """
-  model = graph.merge(params)
+  model, key = graph.merge(params), step_key(key)
   step = decode_metadata(seq_lens, block_tables, tokens.shape[1], cache.page_size, kernels)
   hidden, cache = model.forward(tokens, step, cache)
   next_tokens = sample(model.logits(hidden[:, -1]), key, sampling)

@@ -96,9 +96,13 @@ def test_oracle_drafts_with_planted_errors_are_accepted_up_to_the_error(random_m
   rng = np.random.default_rng(0)
   planted = []
 
-  def oracle_draft_step(graph, params, cache, inputs, key, **kwargs):
-    _, draft_probs, cache = spec_steps.draft_step(graph, params, cache, inputs, key, **kwargs)
-    committed = np.asarray(inputs.committed_lens)
+  def oracle_cycle_step(graph, params, cache, last, drafts, probs, seq_lens, tables, key, **kw):
+    emitted, last, _, probs, cache = spec_steps.cycle_step(
+      graph, params, cache, last, drafts, probs, seq_lens, tables, key, **kw
+    )
+    # The cycle's committed lengths: seq_lens - (k + 1) + the tokens it emitted.
+    seq_lens, emitted_now = np.asarray(seq_lens), np.asarray(emitted)
+    committed = np.where(seq_lens > 0, seq_lens - (k + 1) + (emitted_now >= 0).sum(axis=1), 0)
     drafts = np.zeros((len(committed), k), np.int32)
     errors = rng.integers(0, k + 1, len(committed))
     for b, n in enumerate(committed):
@@ -110,9 +114,9 @@ def test_oracle_drafts_with_planted_errors_are_accepted_up_to_the_error(random_m
           planted.append(errors[b])
         else:
           planted.append(k)
-    return jnp.asarray(drafts), draft_probs, cache
+    return emitted, last, jnp.asarray(drafts), probs, cache
 
-  monkeypatch.setattr(speculative, "draft_step", oracle_draft_step)
+  monkeypatch.setattr(speculative, "cycle_step", oracle_cycle_step)
   spec = SpeculativeGenerator(random_model, ENGINE, SpeculativeConfig(k)).generate(
     PROMPTS, max_new_tokens=max_new, stop_token_ids=()
   )
