@@ -4,8 +4,8 @@ Runs side by side in one process on one GPU:
 
 1. Draft first step (q_len = k + 1 rows per request through the MTP layer's attention, then MoE
    and lm head on all rows or, pruned, on one row per request), the whole draft (first step plus
-   k - 1 single-row steps), the target verify step, and the verify + draft cycle, pruned vs
-   unpruned, for batch 1, 4, 16, 64 and k = 5.
+   k - 1 single-row steps), the target verify step, and the verify + draft cycle as the engine
+   runs it (`cycle_step`, one program), pruned vs unpruned, for batch 1, 4, 16, 64 and k = 5.
 2. The routed-expert MoE of one layer, `per_route` vs `grouped` (`jax.lax.ragged_dot`), and one
    grouped projection through jax's Pallas Mosaic GPU `ragged_dot` kernel, over token counts:
    the crossover sets `choose_moe_impl`'s threshold.
@@ -37,7 +37,7 @@ from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.kv_cache import BlockAllocator
 from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
-from jaxspec.serving.spec_steps import DraftInputs, draft_step, verify_step
+from jaxspec.serving.spec_steps import DraftInputs, cycle_step, draft_step, verify_step
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -71,6 +71,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
   rng = np.random.default_rng(batch)
   cache = _random_cache(model, allocator.num_pages, page_size, jax.random.key(batch))
   committed = jnp.full((batch,), context, jnp.int32)
+  seq_lens = committed + q_len  # of the verify rows
   num_accepted = jnp.asarray(rng.integers(0, k + 1, batch), jnp.int32)
   emitted = jnp.asarray(rng.integers(0, config.vocab_size, (batch, q_len)), jnp.int32)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch, q_len)), jnp.int32)
@@ -86,7 +87,7 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
       params,
       cache,
       tokens,
-      committed + q_len,
+      seq_lens,
       block_tables,
       None,
       key,
@@ -112,20 +113,21 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
 
       times[f"{name}_{tag}"], cache = time_stateful(draft, cache, iters, reps)
 
-    def cycle(cache, prune=prune):
-      accepted, out, target_hidden, cache = verify_step(
+    def cycle(cache, prune=prune):  # the engine's cycle: verify and draft in one program
+      *_, cache = cycle_step(
         graph,
         params,
         cache,
-        tokens,
-        committed + q_len,
-        block_tables,
+        tokens[:, 0],
+        tokens[:, 1:],
         None,
+        seq_lens,
+        block_tables,
         key,
+        num_draft=k,
+        prune=prune,
         **statics,
       )
-      inputs = DraftInputs(target_hidden, out, accepted, committed + 1 + accepted, block_tables)
-      *_, cache = draft_step(graph, params, cache, inputs, key, num_draft=k, prune=prune, **statics)
       return cache
 
     times[f"cycle_{tag}"], cache = time_stateful(cycle, cache, iters, reps)

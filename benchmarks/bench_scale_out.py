@@ -14,7 +14,8 @@ holding `--context` tokens per request. In one process:
    not), the routed experts the batch touches (expected count for uniform routing:
    `E * (1 - (1 - k / E) ** B)` per layer) and the KV cache of the batch;
 3. verify steps (k = 1, 3, 5) and the draft step (pruned and unpruned), the speculative cycle
-   (verify + k drafts) against one plain decode step, at `--spec-batches`;
+   (verify + k drafts in one program, `cycle_step`, as the engine runs it) against one plain
+   decode step, at `--spec-batches`;
 4. the largest batch x context that fits beside the weights (from the free device memory);
 5. the GPU kernels of one decode step (CUPTI): attention, routed experts, collectives, the rest,
    and the gap to the wall time.
@@ -52,7 +53,7 @@ from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.kv_cache import BlockAllocator
 from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
-from jaxspec.serving.spec_steps import DraftInputs, draft_step, verify_step
+from jaxspec.serving.spec_steps import DraftInputs, cycle_step, draft_step, verify_step
 from jaxspec.serving.steps import decode_step
 
 RESULTS = Path(__file__).parent / "results"
@@ -390,6 +391,21 @@ def main():
       ).lower()
       inputs = _draft_inputs(config, batch, k, args.context, block_tables[:batch], rng)
       for prune in (True, False):
+        lowered["cycle", batch, k, prune] = cycle_step.trace(
+          graph,
+          params,
+          cache,
+          tokens(batch, 1)[:, 0],
+          tokens(batch, k),
+          None,
+          jnp.full((batch,), args.context + q_len, jnp.int32),
+          block_tables[:batch],
+          jax.random.key(0),
+          num_draft=k,
+          sampling=GREEDY,
+          kernels=KERNELS,
+          prune=prune,
+        ).lower()
         lowered["draft", batch, k, prune] = draft_step.trace(
           graph,
           params,
@@ -407,7 +423,9 @@ def main():
   for batch in args.spec_batches:
     for k in args.ks:
       q_len = k + 1
-      needed = [("verify", batch, k), ("draft", batch, k, True), ("draft", batch, k, False)]
+      needed = [("verify", batch, k)] + [
+        (name, batch, k, prune) for name in ("draft", "cycle") for prune in (True, False)
+      ]
       if not all(name in compiled for name in needed):
         continue
       verify = compiled["verify", batch, k]
@@ -421,13 +439,15 @@ def main():
       row = {}
       row["verify_s"], cache = time_stateful(run_verify, cache, args.iters, args.reps)
       for prune in (True, False):
-        draft = compiled["draft", batch, k, prune]
+        draft, cycle = compiled["draft", batch, k, prune], compiled["cycle", batch, k, prune]
 
         def run_draft(cache, draft=draft, inputs=inputs):
           return draft(params, cache, inputs, key)[-1]
 
-        def run_cycle(cache, draft=draft, run_verify=run_verify, inputs=inputs):
-          return draft(params, run_verify(cache), inputs, key)[-1]
+        def run_cycle(cache, cycle=cycle, token_ids=token_ids, seq_lens=seq_lens, batch=batch):
+          last, drafts = token_ids[:, 0], token_ids[:, 1:]
+          tables = block_tables[:batch]
+          return cycle(params, cache, last, drafts, None, seq_lens, tables, key)[-1]
 
         tag = "pruned" if prune else "unpruned"
         row[f"draft_{tag}_s"], cache = time_stateful(run_draft, cache, args.iters, args.reps)
