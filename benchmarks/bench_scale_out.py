@@ -338,17 +338,23 @@ def main():
   compiled = _compile_all(lowered, results, log)
   _write(results, args.out)
 
+  def decode_call(batch):
+    """`cache -> (next_tokens, cache)`: the compiled decode step of `batch` requests."""
+    step, token_ids = compiled[batch], tokens(batch, 1)
+    seq_lens = jnp.full((batch,), args.context + 1, jnp.int32)
+    return lambda cache: step(
+      params, cache, token_ids, seq_lens, block_tables[:batch], jax.random.key(0)
+    )
+
   results["decode"] = {}
   dense_bytes, _ = _weight_bytes(model, 1)
   for batch in args.batches:
     if batch not in compiled:
       continue
-    step = compiled[batch]
-    token_ids = tokens(batch, 1)
-    seq_lens = jnp.full((batch,), args.context + 1, jnp.int32)
+    decode = decode_call(batch)
 
-    def run(cache, step=step, token_ids=token_ids, seq_lens=seq_lens, batch=batch):
-      return step(params, cache, token_ids, seq_lens, block_tables[:batch], jax.random.key(0))[1]
+    def run(cache, decode=decode):
+      return decode(cache)[1]
 
     seconds, cache = time_stateful(run, cache, args.iters, args.reps)
     dispatch, cache = _dispatch_seconds(run, cache, args.reps)
@@ -466,15 +472,8 @@ def main():
     for batch in sorted({min(args.batches), max(args.batches)}):
       if batch not in compiled:
         continue
-      step = compiled[batch]
-      token_ids = tokens(batch, 1)
-      seq_lens = jnp.full((batch,), args.context + 1, jnp.int32)
-
-      def traced(cache, step=step, token_ids=token_ids, seq_lens=seq_lens, batch=batch):
-        return step(params, cache, token_ids, seq_lens, block_tables[:batch], jax.random.key(0))
-
       try:
-        per_call, cache = profile_stateful(traced, cache, iterations=3)
+        per_call, cache = profile_stateful(decode_call(batch), cache, iterations=3)
       except Exception as error:  # a profiler failure is reported, not fatal
         results["profile"][batch] = f"unavailable: {type(error).__name__}: {str(error)[:300]}"
         log(f"profile B{batch}: {results['profile'][batch]}")
