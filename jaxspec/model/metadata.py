@@ -25,9 +25,9 @@ from jaxspec.kernels.dispatch import IMPLS, Impl
 
 StepMode = Literal["plain", "prefill", "decode"]
 STEP_MODES = ("plain", "prefill", "decode")
-MoeImpl = Literal["per_route", "grouped", "pallas"]
-MOE_IMPLS = ("per_route", "grouped", "pallas")
-MoeChoice = Literal["auto", "xla", "per_route", "grouped", "pallas"]
+MoeImpl = Literal["per_route", "grouped", "dense", "pallas"]
+MOE_IMPLS = ("per_route", "grouped", "dense", "pallas")
+MoeChoice = Literal["auto", "xla", "per_route", "grouped", "dense", "pallas"]
 MOE_CHOICES = ("auto", "xla") + MOE_IMPLS
 IndexSharing = Literal["per_group", "per_layer"]
 INDEX_SHARINGS = ("per_group", "per_layer")
@@ -44,9 +44,10 @@ class KernelChoices:
       shared layers reuse the physical slots (GLM-5's design); "per_layer" converts in every
       layer (what a stack without sharing does; kept to measure and test the saving).
     moe: the routed experts' implementation ("pallas": the Mosaic GPU kernels; "grouped",
-      "per_route": XLA); "auto" lets the model decide from the number of rows a forward pass
-      starts with, *before* any row pruning (`jaxspec.model.moe.choose_moe_impl`), so pruned
-      and unpruned passes choose alike; "xla" decides the same way between the XLA paths only.
+      "per_route", "dense": XLA, see `jaxspec.model.moe`); "auto" lets the model decide from
+      the number of rows a forward pass starts with, *before* any row pruning
+      (`jaxspec.model.moe.choose_moe_impl`), so pruned and unpruned passes choose alike; "xla"
+      decides the same way between the XLA paths only.
     interpret: run every Pallas kernel of the step in GPU interpret mode (tests on the CPU).
   """
 

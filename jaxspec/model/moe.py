@@ -11,7 +11,7 @@ Routing follows DeepSeek-V3 (arXiv:2412.19437, section 2.1.2) as GLM-4.5 and tra
 4. the `num_experts_per_tok` best experts are combined with weights `scores[selected]`,
    renormalised to sum to one when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
 
-Three implementations of the routed experts compute the same function:
+Four implementations of the routed experts compute the same function:
 
 - `pallas`: `jaxspec.kernels.routed_experts` on a Hopper GPU, two Mosaic GPU grouped-expert
   kernels (gate and up fused with the SwiGLU, then down with the routing weight); every touched
@@ -19,7 +19,11 @@ Three implementations of the routed experts compute the same function:
 - `grouped` (XLA): the same op's reference, routes sorted by expert and one grouped GEMM
   (`jax.lax.ragged_dot`) per projection;
 - `per_route` (XLA): gathers each token's k expert matrices and runs k small matmuls per token;
-  reads exactly the weights the tokens need, the fastest XLA path for a few tokens.
+  reads exactly the weights the tokens need, the fastest XLA path for a few tokens;
+- `dense` (XLA): every expert on every token, weighted by a [N, E] combine matrix that is zero
+  for the experts a token did not choose: E / k times the FLOPs, but three plain matmuls and no
+  sort or gather. With few, narrow experts (the embedded default model: 8 x 96) that is the
+  fastest way to train (the trainer's choice); the serving policy never picks it.
 """
 
 import functools
@@ -128,6 +132,8 @@ def _routed_experts(x, weights, expert_ids, gate, up, down, expert_offset=None, 
   `expert_offset` on); routes to experts they do not hold contribute nothing."""
   if impl == "per_route":
     return _per_route(x, weights, expert_ids, gate, up, down, expert_offset)
+  if impl == "dense":
+    return _dense(x, weights, expert_ids, gate, up, down, expert_offset)
   op_impl = "xla" if impl == "grouped" else "pallas"
   return routed_experts(
     x,
@@ -155,6 +161,27 @@ def _per_route(x, weights, expert_ids, gate, up, down, expert_offset=None):
   act = (jax.nn.silu(g) * u).astype(gate.dtype)
   y = jnp.einsum("nki,nkih->nkh", act, down, preferred_element_type=jnp.float32)
   return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
+
+
+def _dense(x, weights, expert_ids, gate, up, down, expert_offset=None):
+  """Runs every expert held on every token; the combine matrix zeroes the routes not taken.
+
+  Numerics: as the other paths (weights' dtype into the matmuls, float32 accumulation), except
+  that the routing weight multiplies the activation in float32 before it is rounded for the
+  down projection, instead of the down projection's output (one rounding of the same product).
+  """
+  num_experts = gate.shape[0]
+  if expert_offset is not None:
+    expert_ids = expert_ids - expert_offset  # ids outside [0, E) select no held expert
+  # one_hot of an id outside [0, E) is all zeros: such a route contributes nothing.
+  combine = jnp.einsum(
+    "nke,nk->ne", jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32), weights
+  )  # [N, E]
+  xw = x.astype(gate.dtype)
+  g = jnp.einsum("nh,ehi->nei", xw, gate, preferred_element_type=jnp.float32)
+  u = jnp.einsum("nh,ehi->nei", xw, up, preferred_element_type=jnp.float32)
+  act = (jax.nn.silu(g) * u * combine[..., None]).astype(gate.dtype)  # [N, E, I]
+  return jnp.einsum("nei,eih->nh", act, down, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 class MoE(nnx.Module):

@@ -31,7 +31,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures"
 GLM4_MOE = ["glm4_moe_a", "glm4_moe_b", "glm4_moe_c"]
 GLM_MOE_DSA = ["glm_moe_dsa_a", "glm_moe_dsa_b"]
 ALL = GLM4_MOE + GLM_MOE_DSA
-MOE_IMPLS = ["grouped", "per_route"]
+MOE_IMPLS = ["grouped", "per_route", "dense"]
 
 
 def _load(name):

@@ -8,17 +8,37 @@ import pytest
 from flax import nnx
 
 from jaxspec.model.config import glm45_air, tiny
-from jaxspec.model.moe import MoE, choose_moe_impl
+from jaxspec.model.moe import MoE, _routed_experts, choose_moe_impl
 
 
+@pytest.mark.parametrize("impl", ["per_route", "dense"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 33])
-def test_per_route_and_grouped_agree(num_tokens):
+def test_the_xla_paths_agree_with_grouped(num_tokens, impl):
   config = tiny(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
   moe = MoE(config, dtype=jnp.float32, rngs=nnx.Rngs(num_tokens))
   x = jax.random.normal(jax.random.key(num_tokens), (num_tokens, config.hidden_size))
   np.testing.assert_allclose(
-    moe(x, moe_impl="per_route"), moe(x, moe_impl="grouped"), rtol=1e-5, atol=1e-6
+    moe(x, moe_impl=impl), moe(x, moe_impl="grouped"), rtol=1e-5, atol=1e-6
   )
+
+
+def test_dense_drops_routes_to_experts_another_shard_holds():
+  """With `expert_offset` (one expert-parallel shard), routes outside the shard add nothing:
+  the two halves of the experts sum to the whole, for dense as for grouped."""
+  config = tiny(n_routed_experts=8, num_experts_per_tok=2, n_group=1)
+  moe = MoE(config, dtype=jnp.float32, rngs=nnx.Rngs(3))
+  x = jax.random.normal(jax.random.key(3), (9, config.hidden_size))
+  weights, expert_ids = moe.gate(x)
+  experts = [w[...] for w in (moe.experts.gate, moe.experts.up, moe.experts.down)]
+  for impl in ("dense", "grouped"):
+    whole = _routed_experts(x, weights, expert_ids, *experts, impl=impl, interpret=False)
+    halves = sum(
+      _routed_experts(
+        x, weights, expert_ids, *[w[o : o + 4] for w in experts], o, impl=impl, interpret=False
+      )
+      for o in (0, 4)
+    )
+    np.testing.assert_allclose(halves, whole, rtol=1e-5, atol=1e-6, err_msg=impl)
 
 
 def test_the_kernel_path_matches_the_xla_paths_inside_the_model():
@@ -29,12 +49,14 @@ def test_the_kernel_path_matches_the_xla_paths_inside_the_model():
   x = jax.random.normal(jax.random.key(2), (2, 5, config.hidden_size), jnp.bfloat16)
   outputs = {
     impl: np.asarray(moe(x, moe_impl=impl, interpret=True), np.float32)
-    for impl in ("pallas", "grouped", "per_route")
+    for impl in ("pallas", "grouped", "per_route", "dense")
   }
   chex.assert_shape(list(outputs.values()), x.shape)
   # bf16 outputs: the paths differ by the rounding of the result (and of silu's fast exp).
   chex.assert_trees_all_close(outputs["pallas"], outputs["grouped"], rtol=2e-2, atol=2e-3)
   chex.assert_trees_all_close(outputs["grouped"], outputs["per_route"], rtol=2e-2, atol=2e-3)
+  # dense rounds weight * activation once instead of the activation alone: same bf16 tolerance.
+  chex.assert_trees_all_close(outputs["dense"], outputs["grouped"], rtol=2e-2, atol=2e-3)
 
 
 def test_policy_picks_the_kernel_on_hopper_where_it_serves_the_weights():
@@ -62,4 +84,4 @@ def test_unknown_impl_is_rejected():
   config = tiny()
   moe = MoE(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="moe impl"):
-    moe(jnp.ones((2, config.hidden_size)), moe_impl="dense")
+    moe(jnp.ones((2, config.hidden_size)), moe_impl="sparse")
