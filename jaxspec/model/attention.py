@@ -171,7 +171,11 @@ class GqaAttention(nnx.Module):
     k = apply_partial_rope(k, positions, self.rotary_dim, self.rope_theta)
     sm_scale = self.head_dim**-0.5
 
-    if not step.cached:
+    if not step.cached and step.kernels.causal_attention == "cudnn":
+      out = jax.nn.dot_product_attention(
+        q, k, v, scale=sm_scale, is_causal=True, implementation="cudnn"
+      )
+    elif not step.cached:
       valid = jnp.full((bsz,), num_tokens, jnp.int32)
       out = dense_causal_attention(q, k, v, valid, sm_scale)
     else:

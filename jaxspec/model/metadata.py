@@ -31,6 +31,8 @@ MoeChoice = Literal["auto", "xla", "per_route", "grouped", "dense", "pallas"]
 MOE_CHOICES = ("auto", "xla") + MOE_IMPLS
 IndexSharing = Literal["per_group", "per_layer"]
 INDEX_SHARINGS = ("per_group", "per_layer")
+CausalAttention = Literal["xla", "cudnn"]
+CAUSAL_ATTENTIONS = ("xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,10 @@ class KernelChoices:
       the number of rows a forward pass starts with, *before* any row pruning
       (`jaxspec.model.moe.choose_moe_impl`), so pruned and unpruned passes choose alike; "xla"
       decides the same way between the XLA paths only.
+    causal_attention: the causal attention of "plain" forward passes (training, evaluation):
+      "xla", the float32-softmax reference (`attention.dense_causal_attention`), or "cudnn",
+      cuDNN's fused flash attention through `jax.nn.dot_product_attention` (a GPU with cuDNN,
+      bf16/fp16 activations; it never materialises the [T, T] scores; GQA attention only).
     interpret: run every Pallas kernel of the step in GPU interpret mode (tests on the CPU).
   """
 
@@ -55,6 +61,7 @@ class KernelChoices:
   index_conversion: Impl = "auto"
   index_sharing: IndexSharing = "per_group"
   moe: MoeChoice = "auto"
+  causal_attention: CausalAttention = "xla"
   interpret: bool = False
 
   def __post_init__(self):
@@ -63,6 +70,7 @@ class KernelChoices:
       ("index_conversion", IMPLS),
       ("index_sharing", INDEX_SHARINGS),
       ("moe", MOE_CHOICES),
+      ("causal_attention", CAUSAL_ATTENTIONS),
     ):
       if getattr(self, name) not in allowed:
         raise ValueError(

@@ -323,6 +323,11 @@ class MlaAttention(nnx.Module):
     if step.mode == "decode":
       out, selection = self._decode(x, q_resid, q_nope, q_rope, pages, step, selection)
     else:
+      if step.kernels.causal_attention != "xla":
+        raise ValueError(
+          "KernelChoices.causal_attention must be 'xla' for MLA attention (GLM-5): only GQA "
+          f"models have a {step.kernels.causal_attention!r} path"
+        )
       valid_lens = jnp.full((bsz,), num_tokens) if not step.cached else step.seq_lens
       key_pos = jnp.arange(num_tokens)
       causal = (key_pos[None, :] <= key_pos[:, None])[None] & (
