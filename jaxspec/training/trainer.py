@@ -42,8 +42,14 @@ from jaxspec.model.weights import save_pretrained
 from jaxspec.training import bpe, corpus, staging
 from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
-# Training runs every token through the experts: one grouped GEMM each.
-KERNELS = KernelChoices(moe="grouped")
+
+def training_kernels(backend: str) -> KernelChoices:
+  """The training forward's kernels: every token through every expert (`moe="dense"`: the
+  default model's 8 narrow experts cost three plain matmuls, no sort), and on a GPU cuDNN's flash
+  attention. One train step of the default model on an H200 (batch 64 x 512 tokens, random
+  data): 46 ms with the grouped GEMM and the float32-softmax attention, 33 ms with dense experts,
+  17 ms with dense experts and cuDNN attention."""
+  return KernelChoices(moe="dense", causal_attention="cudnn" if backend == "gpu" else "xla")
 
 
 def default_model_config(vocab_size: int) -> GlmConfig:
@@ -112,7 +118,7 @@ class TrainConfig:
   model_preset: str = "default"
   vocab_size: int = 2048
   steps: int = 4000
-  batch_size: int = 64
+  batch_size: int = 128
   seq_len: int = 512
   learning_rate: float = 3e-3
   min_lr_ratio: float = 0.1
@@ -243,7 +249,7 @@ def _compute_params(params):
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _joint_logits(model: GlmForCausalLM, windows: jax.Array, depth: int):
+def _joint_logits(model: GlmForCausalLM, windows: jax.Array, depth: int, kernels: KernelChoices):
   """windows: int32 [B, T + 1 + depth] -> (target logits [B, T, V], [MTP logits [B, T, V]] * depth).
 
   Target row t predicts token t + 1. The MTP layer is applied `depth` times, as the draft loop
@@ -253,7 +259,7 @@ def _joint_logits(model: GlmForCausalLM, windows: jax.Array, depth: int):
   """
   seq_len = windows.shape[1] - 1 - depth
   inputs = windows[:, :seq_len]  # [B, T]
-  step = StepMetadata.plain(inputs, KERNELS)
+  step = StepMetadata.plain(inputs, kernels)
   hidden, _ = model.forward(inputs, step)  # [B, T, H]
   mtp_logits = []
   previous = hidden
@@ -275,6 +281,7 @@ class Trainer:
 
   def __init__(self, model_config: GlmConfig, config: TrainConfig):
     self.config = config
+    self.kernels = training_kernels(jax.default_backend())
     model = GlmForCausalLM(model_config, dtype=jnp.float32, rngs=nnx.Rngs(config.seed))
     self.graphdef, self.params = nnx.split(model, nnx.Param)
     self.optimizer = optax.chain(
@@ -298,7 +305,7 @@ class Trainer:
     model = nnx.merge(self.graphdef, _compute_params(params))
     depth = self.config.mtp_depth
     seq_len = windows.shape[1] - 1 - depth
-    logits, mtp_logits = _joint_logits(model, windows, depth)
+    logits, mtp_logits = _joint_logits(model, windows, depth, self.kernels)
     lm_loss = optax.softmax_cross_entropy_with_integer_labels(
       logits, windows[:, 1 : seq_len + 1]
     ).mean()
@@ -340,7 +347,7 @@ class Trainer:
     model = nnx.merge(self.graphdef, _compute_params(params))
     depth = self.config.eval_draft_depth
     seq_len = windows.shape[1] - 1 - depth
-    logits, mtp_logits = _joint_logits(model, windows, depth)
+    logits, mtp_logits = _joint_logits(model, windows, depth, self.kernels)
     next_tokens = windows[:, 1 : seq_len + 1]
     target_argmax = jnp.argmax(logits, axis=-1)  # [B, T]
     mtp_argmax = [jnp.argmax(x, axis=-1) for x in mtp_logits]  # depth x [B, T]

@@ -10,6 +10,7 @@ from jaxspec.model.config import tiny
 from jaxspec.model.dsa_config import tiny_dsa
 from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
+from jaxspec.training.trainer import training_kernels
 
 
 def _logits(model, ids, kernels):
@@ -27,6 +28,11 @@ def test_mla_attention_refuses_the_cudnn_path_instead_of_ignoring_it():
   ids = jnp.zeros((1, 4), jnp.int32)
   with pytest.raises(ValueError, match="causal_attention must be 'xla' for MLA"):
     model.forward(ids, StepMetadata.plain(ids, KernelChoices(causal_attention="cudnn")))
+
+
+def test_training_uses_dense_experts_everywhere_and_cudnn_only_on_a_gpu():
+  assert training_kernels("cpu") == KernelChoices(moe="dense", causal_attention="xla")
+  assert training_kernels("gpu") == KernelChoices(moe="dense", causal_attention="cudnn")
 
 
 @pytest.mark.gpu
