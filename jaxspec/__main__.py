@@ -79,6 +79,13 @@ def _build_parser() -> argparse.ArgumentParser:
     action="store_true",
     help="also run plain decoding on the same prompt and report both throughputs",
   )
+  gen.add_argument(
+    "--repeats",
+    type=argtypes.positive_int,
+    default=3,
+    help="timed runs after the compiling warm-up (alternating with --compare); the report is "
+    "the median run's",
+  )
   gen.add_argument("--json", action="store_true", help="print one JSON object")
   add_train_parser(commands)
   ev = commands.add_parser(
@@ -178,12 +185,9 @@ def _load_weights(parser, directory: Path, dtype: str):
     parser.error(f"--model {directory}: {error}")
 
 
-def _run(model, prompt_ids, args, sampling: SamplingParams, spec_tokens: int) -> dict:
-  """Generates with plain decoding (spec_tokens 0) or MTP speculation; returns the metrics.
-
-  A two-token warm-up run on the same shapes compiles every step first, so the reported
-  throughput and latencies exclude compilation.
-  """
+def _warm_engine(model, prompt_ids, args, sampling: SamplingParams, spec_tokens: int):
+  """A plain (spec_tokens 0) or MTP-speculative engine for the prompt, its steps compiled by a
+  two-token run on the same shapes, so that timed runs exclude compilation."""
   engine_config = EngineConfig(
     max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens, page_size=args.page_size
   )
@@ -192,14 +196,27 @@ def _run(model, prompt_ids, args, sampling: SamplingParams, spec_tokens: int) ->
   else:
     engine = Generator(model, engine_config)
   engine.generate([prompt_ids], max_new_tokens=min(2, args.max_new_tokens), sampling=sampling)
-  out = engine.generate(
-    [prompt_ids],
-    max_new_tokens=args.max_new_tokens,
-    sampling=sampling,
-    seed=args.seed,
-    progress=not args.json,
-  )
-  return {"tokens": out.tokens[0], **out.metrics.as_dict()}
+  return engine
+
+
+def _timed_runs(engines: dict, prompt_ids, args, sampling: SamplingParams) -> dict[str, dict]:
+  """`args.repeats` runs of every engine, alternating between them (a drift of the machine's
+  speed hits each alike); per engine, the run of median throughput (tokens and metrics)."""
+  runs = {name: [] for name in engines}
+  for repeat in range(args.repeats):
+    for name, engine in engines.items():
+      out = engine.generate(
+        [prompt_ids],
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=args.seed,
+        progress=not args.json and repeat == 0,
+      )
+      runs[name].append({"tokens": out.tokens[0], **out.metrics.as_dict()})
+  return {
+    name: sorted(rows, key=lambda row: row["tokens_per_s"])[len(rows) // 2]
+    for name, rows in runs.items()
+  }
 
 
 def generate(args) -> dict:
@@ -220,19 +237,24 @@ def generate(args) -> dict:
   model = _load_weights(parser, directory, args.dtype)
   if args.spec_tokens and model.mtp is None:
     parser.error(f"{model_name} has no MTP weights; use --spec-tokens 0")
-  run = _run(model, prompt_ids, args, sampling, args.spec_tokens)
+  engines = {"main": _warm_engine(model, prompt_ids, args, sampling, args.spec_tokens)}
+  if args.compare:
+    engines["baseline"] = _warm_engine(model, prompt_ids, args, sampling, 0)
+  runs = _timed_runs(engines, prompt_ids, args, sampling)
+  run = runs["main"]
   result = {
     "model": model_name,
     "device": jax.devices()[0].device_kind,
     "prompt": args.prompt,
     "seed": args.seed,
+    "repeats": args.repeats,
     "text": tokenizer.decode(run["tokens"]),
     "spec_tokens": args.spec_tokens,
     "sampling": dataclasses.asdict(sampling),
     **run,
   }
   if args.compare:
-    baseline = _run(model, prompt_ids, args, sampling, 0)
+    baseline = runs["baseline"]
     result["baseline"] = {k: baseline[k] for k in ("tokens_per_s", "tpot_s", "itl_s", "ttft_s")}
     result["baseline"]["same_tokens"] = baseline["tokens"] == run["tokens"]
     result["speedup"] = run["tokens_per_s"] / baseline["tokens_per_s"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.__main__ import DEFAULT_MODEL, _sampling, main
+from jaxspec.__main__ import DEFAULT_MODEL, _sampling, _timed_runs, main
 from jaxspec.serving.sampling import SamplingParams
 from jaxspec.training import cli as train_cli
 
@@ -75,6 +75,28 @@ def test_speculative_generate_with_compare_reports_both_paths(capsys):
   assert result["mean_accepted_length"] >= 1.0
   # Greedy speculative decoding is lossless: the plain run produced the same tokens.
   assert result["baseline"]["same_tokens"] and result["speedup"] > 0
+  assert result["repeats"] == 3
+
+
+def test_compare_alternates_the_engines_and_reports_each_ones_median_run(monkeypatch):
+  calls = []
+
+  class FakeEngine:
+    def __init__(self, name, rates):
+      self.name, self.rates = name, iter(rates)
+
+    def generate(self, prompts, **kwargs):
+      calls.append(self.name)
+      rate = next(self.rates)
+      metrics = argparse.Namespace(as_dict=lambda: {"tokens_per_s": rate})
+      return argparse.Namespace(tokens=[[rate]], metrics=metrics)
+
+  engines = {"main": FakeEngine("main", [30, 10, 20]), "baseline": FakeEngine("plain", [5, 7, 6])}
+  args = argparse.Namespace(repeats=3, max_new_tokens=4, seed=0, json=True)
+  runs = _timed_runs(engines, [1, 2], args, SamplingParams())
+  assert calls == ["main", "plain"] * 3
+  assert runs["main"] == {"tokens": [20], "tokens_per_s": 20}
+  assert runs["baseline"] == {"tokens": [6], "tokens_per_s": 6}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,6 +126,7 @@ BAD_ARGUMENTS = {
   "seed too large": (GENERATE + ["--seed", str(2**70)], "in 0..4294967295"),
   "negative seed": (GENERATE + ["--seed", "-1"], "in 0..4294967295"),
   "zero page size": (GENERATE + ["--page-size", "0"], "in 1..1024"),
+  "zero repeats": (GENERATE + ["--repeats", "0"], "at least 1"),
   "empty prompt": (["generate", "--prompt", ""], "encodes to no tokens"),
   "missing tokenizer": (
     GENERATE + ["--model", str(FIXTURE_WITHOUT_TOKENIZER)],
