@@ -33,6 +33,8 @@ IndexSharing = Literal["per_group", "per_layer"]
 INDEX_SHARINGS = ("per_group", "per_layer")
 CausalAttention = Literal["xla", "cudnn"]
 CAUSAL_ATTENTIONS = ("xla", "cudnn")
+EmbeddingGrad = Literal["scatter", "one_hot"]
+EMBEDDING_GRADS = ("scatter", "one_hot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,9 @@ class KernelChoices:
       "xla", the float32-softmax reference (`attention.dense_causal_attention`), or "cudnn",
       cuDNN's fused flash attention through `jax.nn.dot_product_attention` (a GPU with cuDNN,
       bf16/fp16 activations; it never materialises the [T, T] scores; GQA attention only).
+    embedding_grad: how a gradient of the embedding table is formed (training only; the lookup
+      itself is the same gather): "scatter" (XLA scatter-add) or "one_hot" (one matmul, immune
+      to the atomics contention of frequent tokens; `jaxspec.model.layers.Embedding`).
     interpret: run every Pallas kernel of the step in GPU interpret mode (tests on the CPU).
   """
 
@@ -62,6 +67,7 @@ class KernelChoices:
   index_sharing: IndexSharing = "per_group"
   moe: MoeChoice = "auto"
   causal_attention: CausalAttention = "xla"
+  embedding_grad: EmbeddingGrad = "scatter"
   interpret: bool = False
 
   def __post_init__(self):
@@ -71,6 +77,7 @@ class KernelChoices:
       ("index_sharing", INDEX_SHARINGS),
       ("moe", MOE_CHOICES),
       ("causal_attention", CAUSAL_ATTENTIONS),
+      ("embedding_grad", EMBEDDING_GRADS),
     ):
       if getattr(self, name) not in allowed:
         raise ValueError(

@@ -247,7 +247,7 @@ class GlmForCausalLM(nnx.Module):
     _check_step(step, cache, input_ids.shape)
     _require_token_ids(input_ids, self.config.vocab_size, "input_ids")
     moe_impl = resolve_moe_impl(step.kernels.moe, input_ids.size, self.config, self.dtype)
-    x = self.model.embed_tokens(input_ids)
+    x = self.model.embed_tokens(input_ids, step.kernels.embedding_grad)
     new_layers = []
     selection = None
     for i, layer in enumerate(self.model.layers):
@@ -307,7 +307,8 @@ class GlmForCausalLM(nnx.Module):
       raise ValueError("the cache has no draft pages: build it with init_cache(..., draft=True)")
     mtp = self.mtp
     embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.model.embed_tokens
-    x = jnp.concatenate([mtp.enorm(embed(next_ids)), mtp.hnorm(previous_hidden)], axis=-1)
+    next_rows = embed(next_ids, step.kernels.embedding_grad)
+    x = jnp.concatenate([mtp.enorm(next_rows), mtp.hnorm(previous_hidden)], axis=-1)
     shifted = step.replace(positions=step.positions + 1)
     pages = cache.draft if step.cached else None
     h, pages, _ = mtp.layer.attend(mtp.eh_proj(x), pages, shifted)
