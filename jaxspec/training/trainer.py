@@ -45,11 +45,16 @@ from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
 def training_kernels(backend: str) -> KernelChoices:
   """The training forward's kernels: every token through every expert (`moe="dense"`: the
-  default model's 8 narrow experts cost three plain matmuls, no sort), and on a GPU cuDNN's flash
-  attention. One train step of the default model on an H200 (batch 64 x 512 tokens, random
-  data): 46 ms with the grouped GEMM and the float32-softmax attention, 33 ms with dense experts,
-  17 ms with dense experts and cuDNN attention."""
-  return KernelChoices(moe="dense", causal_attention="cudnn" if backend == "gpu" else "xla")
+  default model's 8 narrow experts cost three plain matmuls, no sort), the embedding's gradient
+  as a one-hot matmul (`Embedding`: on real code the scatter-add step was 2.6-3x slower than on
+  random ids), and on a GPU cuDNN's flash attention. One train step of the default model on an
+  H200 (batch 64 x 512 tokens, random ids, scatter-add): 46 ms with the grouped GEMM and the
+  float32-softmax attention, 33 ms with dense experts, 17 ms with dense experts and cuDNN."""
+  return KernelChoices(
+    moe="dense",
+    causal_attention="cudnn" if backend == "gpu" else "xla",
+    embedding_grad="one_hot",
+  )
 
 
 def default_model_config(vocab_size: int) -> GlmConfig:

@@ -31,8 +31,9 @@ def test_mla_attention_refuses_the_cudnn_path_instead_of_ignoring_it():
 
 
 def test_training_uses_dense_experts_everywhere_and_cudnn_only_on_a_gpu():
-  assert training_kernels("cpu") == KernelChoices(moe="dense", causal_attention="xla")
-  assert training_kernels("gpu") == KernelChoices(moe="dense", causal_attention="cudnn")
+  common = dict(moe="dense", embedding_grad="one_hot")
+  assert training_kernels("cpu") == KernelChoices(causal_attention="xla", **common)
+  assert training_kernels("gpu") == KernelChoices(causal_attention="cudnn", **common)
 
 
 @pytest.mark.gpu
