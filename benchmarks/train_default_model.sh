@@ -28,9 +28,11 @@
 # The default keeps vocabulary 2048 (per-token CE comparable with the first model's; 4096 is
 # better per byte but 11% more bits per token, 1024 the reverse), widens to hidden 320 (width
 # paid more than depth) and trains on the archive. With dense experts and cuDNN attention
-# (trainer.training_kernels) and batch 128, a 540 s budget on an H200 ran 5201 steps at 626k
-# tokens/s: 341M tokens, 9 passes over the archive's 38M (held-out CE 2.09; the grouped experts
-# and the float32-softmax attention at batch 64 ran 2696 steps at 318k tokens/s, CE 2.23).
+# (trainer.training_kernels, before its one-hot embedding gradient) and batch 128, a 540 s budget
+# on an H200 ran 5201 steps at 626k tokens/s: 341M tokens, 9 passes over the archive's 38M
+# (held-out CE 2.09; the grouped experts and the float32-softmax attention at batch 64 ran 2696
+# steps at 318k tokens/s, CE 2.23). The same step alone takes 32 ms on random ids, 82-95 ms on
+# the corpus's tokens: the one-hot embedding gradient is meant to close that gap (not yet run).
 set -euo pipefail
 output_dir=${1:?usage: $0 OUTPUT_DIR [train options]}
 shift
