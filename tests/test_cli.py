@@ -149,6 +149,14 @@ BAD_ARGUMENTS = {
   "train zero steps": (["train", "--output-dir", "x", "--steps", "0"], "at least 1"),
   "train NaN learning rate": (["train", "--output-dir", "x", "--learning-rate", "nan"], "finite"),
   "train tiny vocabulary": (["train", "--output-dir", "x", "--vocab-size", "100"], "at least 257"),
+  "train repetition rows filling the batch": (
+    ["train", "--output-dir", "x", "--batch-size", "8", "--repetition-rows", "8"],
+    "repetition_rows must be in [0, batch_size) = [0, 8), got 8",
+  ),
+  "train repetition lambda above one": (
+    ["train", "--output-dir", "x", "--repetition-lambda", "1.5"],
+    "[0, 1]",
+  ),
   "train smoke warm-up beyond its steps": (
     ["train", "--output-dir", "x", "--smoke", "--warmup-steps", "40"],
     "warmup_steps (40) must be below steps (30)",

@@ -46,6 +46,15 @@ _CONFIG_OPTIONS = {
   "weight_decay": (argtypes.float_in(0.0), "AdamW weight decay on matrices"),
   "mtp_weight": (argtypes.float_in(0.0), "weight of the mean MTP loss"),
   "mtp_depth": (argtypes.int_in(1, 7), "MTP depths trained (the layer applied recurrently)"),
+  "repetition_rows": (
+    argtypes.int_in(0),
+    "windows per batch that repeat one span, trained against self-reinforcing repetition "
+    "(DITTO, arXiv:2206.02369); 0 = off",
+  ),
+  "repetition_lambda": (
+    argtypes.float_in(0.0, 1.0),
+    "DITTO's lambda: a repeated token's probability is pulled to lambda times the previous one's",
+  ),
   "eval_every": (argtypes.positive_int, "steps between held-out evaluations"),
   "seed": (argtypes.seed, f"0..{argtypes.MAX_SEED}"),
   "time_budget_s": (

@@ -39,7 +39,7 @@ from jaxspec.model.config import GlmConfig
 from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import save_pretrained
-from jaxspec.training import bpe, corpus, staging
+from jaxspec.training import bpe, corpus, repetition, staging
 from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
 
@@ -134,6 +134,9 @@ class TrainConfig:
   grad_clip: float = 1.0
   mtp_weight: float = 0.3
   mtp_depth: int = 2
+  # Windows per batch that repeat one span, trained with DITTO's loss (`repetition`); 0: off.
+  repetition_rows: int = 0
+  repetition_lambda: float = 0.5
   eval_draft_depth: int = 3
   eval_every: int = 250
   eval_batch_size: int = 32
@@ -161,6 +164,13 @@ class TrainConfig:
         f"learning_rate must be positive and min_lr_ratio in [0, 1], got {self.learning_rate} "
         f"and {self.min_lr_ratio}"
       )
+    if not 0 <= self.repetition_rows < self.batch_size:
+      raise ValueError(
+        f"repetition_rows must be in [0, batch_size) = [0, {self.batch_size}), "
+        f"got {self.repetition_rows}"
+      )
+    if not 0 <= self.repetition_lambda <= 1:
+      raise ValueError(f"repetition_lambda must be in [0, 1], got {self.repetition_lambda}")
     if self.time_budget_s is not None and not self.time_budget_s > 0:
       raise ValueError(f"time_budget_s must be positive, got {self.time_budget_s}")
     if self.time_budget_s is not None and self.warmup_steps < 3:
@@ -305,40 +315,63 @@ class Trainer:
   def model(self) -> GlmForCausalLM:
     return nnx.merge(self.graphdef, self.params)
 
-  def _loss(self, params, windows):
-    """`CE(next) + mtp_weight * mean_d CE(depth d)`, as DeepSeek-V3's `lambda / D * sum_d L_d`."""
+  def _loss(self, params, windows, spans):
+    """`CE(next) + mtp_weight * mean_d CE(depth d)`, as DeepSeek-V3's `lambda / D * sum_d L_d`,
+    over the plain windows; with `repetition_rows` R of B windows repeating a span (`spans` [R],
+    the last R rows), `(1 - R / B) * that + (R / B) * DITTO's loss` over them."""
+    cfg = self.config
     model = nnx.merge(self.graphdef, _compute_params(params))
-    depth = self.config.mtp_depth
+    depth = cfg.mtp_depth
     seq_len = windows.shape[1] - 1 - depth
+    plain = cfg.batch_size - cfg.repetition_rows
     logits, mtp_logits = _joint_logits(model, windows, depth, self.kernels)
     lm_loss = optax.softmax_cross_entropy_with_integer_labels(
-      logits, windows[:, 1 : seq_len + 1]
+      logits[:plain], windows[:plain, 1 : seq_len + 1]
     ).mean()
     mtp_losses = jnp.stack(
       [
         optax.softmax_cross_entropy_with_integer_labels(
-          mtp_logits[d - 1], windows[:, d + 1 : seq_len + d + 1]
+          mtp_logits[d - 1][:plain], windows[:plain, d + 1 : seq_len + d + 1]
         ).mean()
         for d in range(1, depth + 1)
       ]
     )
-    return lm_loss + self.config.mtp_weight * jnp.mean(mtp_losses), (lm_loss, mtp_losses)
+    loss = lm_loss + cfg.mtp_weight * jnp.mean(mtp_losses)
+    if not cfg.repetition_rows:
+      return loss, (loss, lm_loss, mtp_losses, None)
+    repeat_loss = repetition.self_reinforcement_loss(
+      logits[plain:], windows[plain:], spans, cfg.repetition_lambda
+    )
+    share = cfg.repetition_rows / cfg.batch_size
+    return (1 - share) * loss + share * repeat_loss, (loss, lm_loss, mtp_losses, repeat_loss)
 
   def _step(self, params, opt_state, stream, key, lr):
-    """One AdamW update on `batch_size` windows sampled from the on-device stream."""
+    """One AdamW update on `batch_size` windows sampled from the on-device stream (the last
+    `repetition_rows` of them repeating one span each)."""
     cfg = self.config
     window = cfg.seq_len + 1 + cfg.mtp_depth
-    starts = jax.random.randint(key, (cfg.batch_size,), 0, stream.shape[0] - window + 1)
-    windows = stream[starts[:, None] + jnp.arange(window)]  # [B, T + 1 + depth]
-    grads, (lm_loss, mtp_losses) = jax.grad(self._loss, has_aux=True)(params, windows)
+    plain = cfg.batch_size - cfg.repetition_rows
+    starts = jax.random.randint(key, (plain,), 0, stream.shape[0] - window + 1)
+    windows = stream[starts[:, None] + jnp.arange(window)]  # [B - R, T + 1 + depth]
+    spans = None
+    if cfg.repetition_rows:
+      repeated, spans = repetition.repeated_windows(
+        stream, jax.random.fold_in(key, 1), cfg.repetition_rows, window
+      )
+      windows = jnp.concatenate([windows, repeated])  # [B, T + 1 + depth]
+    grads, (loss, lm_loss, mtp_losses, repeat_loss) = jax.grad(self._loss, has_aux=True)(
+      params, windows, spans
+    )
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
     metrics = {
-      "loss": lm_loss + cfg.mtp_weight * jnp.mean(mtp_losses),
+      "loss": loss,
       "lm_loss": lm_loss,
       "mtp_loss": mtp_losses[0],
       "grad_norm": optax.tree.norm(grads),
     } | {f"mtp_loss_depth{d + 1}": mtp_losses[d] for d in range(1, cfg.mtp_depth)}
+    if repeat_loss is not None:
+      metrics["repetition_loss"] = repeat_loss
     return params, opt_state, metrics
 
   def _eval(self, params, windows, weights):

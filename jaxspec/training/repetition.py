@@ -1,0 +1,49 @@
+"""Pseudo-repetitive training windows and DITTO's loss against self-reinforcing repetition.
+
+Xu et al., "Learning to Break the Loop: Analyzing and Mitigating Repetitions for Neural Text
+Generation" (NeurIPS 2022, arXiv:2206.02369): language models raise the probability of repeating
+a sentence with every repetition already in the context, which is how greedy decoding falls into
+loops. DITTO trains on windows made of one sentence repeated, and at the n-th repetition asks the
+probability of each token to be `lam` times its probability at repetition n - 1 (a stop-gradient
+target): `loss = -log(1 - |p_n - lam * p_{n-1}|)`. For code a span of tokens plays the sentence.
+"""
+
+import jax
+import jax.numpy as jnp
+
+# Spans repeated in a window, in tokens: about one to three lines of Python at ~12 tokens a line.
+SPAN_TOKENS = (4, 32)
+
+
+def repeated_windows(stream: jax.Array, key: jax.Array, rows: int, window: int):
+  """`rows` windows of `window` tokens, each one random span of `stream` repeated to fill it.
+
+  stream: int32 [N] -> (windows int32 [rows, window], spans int32 [rows]): row r is
+  `stream[start_r + (i mod spans[r])]` for i in [0, window).
+  """
+  span_key, start_key = jax.random.split(key)
+  low, high = SPAN_TOKENS
+  spans = jax.random.randint(span_key, (rows,), low, high + 1)  # [rows]
+  starts = jax.random.randint(start_key, (rows,), 0, stream.shape[0] - high + 1)  # [rows]
+  offsets = jnp.arange(window)[None, :] % spans[:, None]  # [rows, window]
+  return stream[starts[:, None] + offsets], spans
+
+
+def self_reinforcement_loss(logits: jax.Array, windows: jax.Array, spans: jax.Array, lam: float):
+  """DITTO's loss over the rows of repeated windows.
+
+  logits: float32 [R, T, V], row t predicting token t + 1 of `windows` int32 [R, >= T + 1];
+  spans: int32 [R]. Position t counts when its token's previous occurrence (one span earlier) is
+  itself predicted, i.e. t >= span; the mean is over those positions of all rows.
+  """
+  num_rows, seq_len, _ = logits.shape
+  targets = windows[:, 1 : seq_len + 1]  # [R, T]
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  p = jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])  # [R, T]
+  positions = jnp.arange(seq_len)[None, :]  # [1, T]
+  previous_index = jnp.maximum(positions - spans[:, None], 0)  # [R, T]
+  p_previous = jax.lax.stop_gradient(jnp.take_along_axis(p, previous_index, axis=1))
+  counted = positions >= spans[:, None]  # [R, T]
+  # The log's argument is 1 - |p - lam p'| in [0, 1]; clip it off 0 where p reaches 1, lam = 0.
+  gap = jnp.clip(1.0 - jnp.abs(p - lam * p_previous), 1e-6, 1.0)
+  return jnp.sum(jnp.where(counted, -jnp.log(gap), 0.0)) / jnp.maximum(jnp.sum(counted), 1)

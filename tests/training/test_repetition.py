@@ -1,0 +1,88 @@
+"""DITTO's pseudo-repetitive windows and loss (`jaxspec.training.repetition`)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.training import cli, repetition, trainer
+
+
+def test_repeated_windows_repeat_one_span_of_the_stream():
+  stream = jnp.arange(1000, dtype=jnp.int32) * 7  # distinct tokens: a row's content locates it
+  windows, spans = repetition.repeated_windows(stream, jax.random.key(0), 16, 100)
+  windows, spans = np.asarray(windows), np.asarray(spans)
+  assert windows.shape == (16, 100) and spans.shape == (16,)
+  low, high = repetition.SPAN_TOKENS
+  assert ((spans >= low) & (spans <= high)).all() and len(set(spans.tolist())) > 1
+  for row, span in zip(windows, spans, strict=True):
+    start = row[0] // 7
+    np.testing.assert_array_equal(row[:span], np.asarray(stream[start : start + span]))
+    np.testing.assert_array_equal(row[span:], row[:-span])  # period `span`
+
+
+def _numpy_loss(logits, windows, spans, lam):
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  total, count = 0.0, 0
+  for r, span in enumerate(spans):
+    for t in range(span, logits.shape[1]):
+      p = probs[r, t, windows[r, t + 1]]
+      p_previous = probs[r, t - span, windows[r, t + 1 - span]]
+      total += -np.log(1.0 - abs(p - lam * p_previous))
+      count += 1
+  return total / count
+
+
+def test_the_loss_is_ditto_s_formula_over_the_positions_with_a_previous_occurrence():
+  rows, seq_len, vocab = 3, 40, 11
+  stream = jnp.asarray(np.random.default_rng(0).integers(0, vocab, 500), jnp.int32)
+  windows, spans = repetition.repeated_windows(stream, jax.random.key(1), rows, seq_len + 1)
+  # Sharp logits so that the probabilities span (0, 1), not just values near 1 / vocab.
+  logits = 4.0 * jax.random.normal(jax.random.key(2), (rows, seq_len, vocab))
+  got = repetition.self_reinforcement_loss(logits, windows, spans, 0.5)
+  want = _numpy_loss(np.asarray(logits, np.float64), np.asarray(windows), np.asarray(spans), 0.5)
+  np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
+def test_a_gradient_step_lowers_the_loss_and_leaves_the_previous_occurrence_alone():
+  """The previous repetition's probability is a stop-gradient target: with lambda 0, only the
+  positions that are counted get a gradient, and a small step against it lowers the loss."""
+  stream = jnp.asarray(np.random.default_rng(3).integers(0, 9, 300), jnp.int32)
+  windows, spans = repetition.repeated_windows(stream, jax.random.key(4), 2, 33)
+  logits = 3.0 * jax.random.normal(jax.random.key(5), (2, 32, 9))
+
+  def loss(logits):
+    return repetition.self_reinforcement_loss(logits, windows, spans, 0.5)
+
+  grad = jax.grad(loss)(logits)
+  assert float(loss(logits - 0.5 * grad)) < float(loss(logits))
+  positions = np.arange(32)[None, :]
+  uncounted = positions < np.asarray(spans)[:, None]  # [2, 32]
+  assert np.abs(np.asarray(grad))[uncounted].max() == 0.0
+  assert np.abs(np.asarray(grad))[~uncounted].max() > 0.0
+
+
+def test_a_train_step_with_repeated_rows_reports_the_repetition_loss():
+  config = dataclasses.replace(cli.SMOKE, batch_size=4, repetition_rows=2)
+  model = trainer.Trainer(trainer.smoke_model_config(512), config)
+  stream = jnp.asarray(np.random.default_rng(6).integers(0, 512, 4000), jnp.int32)
+  metrics = model.train_step(stream, jax.random.key(0), 1e-3)
+  assert np.isfinite(float(metrics["repetition_loss"])) and float(metrics["repetition_loss"]) > 0
+  plain = trainer.Trainer(trainer.smoke_model_config(512), cli.SMOKE)
+  assert "repetition_loss" not in plain.train_step(stream, jax.random.key(0), 1e-3)
+
+
+@pytest.mark.parametrize(
+  "changes, message",
+  [
+    (dict(repetition_rows=4), r"repetition_rows must be in \[0, batch_size\)"),
+    (dict(repetition_rows=-1), "repetition_rows"),
+    (dict(repetition_lambda=1.5), "repetition_lambda must be in"),
+  ],
+)
+def test_bad_repetition_settings_are_clear_errors(changes, message):
+  with pytest.raises(ValueError, match=message):
+    dataclasses.replace(cli.SMOKE, **changes)
