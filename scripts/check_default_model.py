@@ -10,6 +10,8 @@ Measures, for MODEL_DIR (default: the embedded model):
 - k = 3 greedy speculative decoding on held-out prompts (`jaxspec.evaluation.evaluate`, the
   machinery of `python -m jaxspec evaluate`): first-position acceptance >= 0.7 and tokens per
   verify step >= 3.0;
+- how strongly the model reinforces a repetition (`repetition.repetition_probabilities`: the
+  probability of a repeated held-out span's tokens at each occurrence; reported, no target);
 - greedy continuations of the six demo prompts (`jaxspec.training.demos.DEMO_PROMPTS`), 96 new
   tokens: no line more than twice, and more than half parse with `ast.parse` when cut at the last
   complete line. With `--sample-temperature T` the same prompts are also sampled (top-p 0.95,
@@ -32,10 +34,11 @@ from flax import nnx
 import jaxspec
 from jaxspec.__main__ import DEFAULT_MODEL
 from jaxspec.evaluation import EvalConfig, evaluate
+from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
 from jaxspec.tokenizer import load_tokenizer
-from jaxspec.training import corpus, trainer
+from jaxspec.training import corpus, repetition, trainer
 from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
 DEMO_NEW_TOKENS = 96
@@ -49,7 +52,8 @@ TARGETS = {  # name: (threshold, "max" | "min")
 
 
 def held_out_cross_entropy(model, model_dir: Path, seq_len: int) -> dict:
-  """The trainer's held-out evaluation of a loaded checkpoint (bf16 forward, like training)."""
+  """The trainer's held-out evaluation of a loaded checkpoint (bf16 forward, like training);
+  `stream` is the held-out token stream itself (int32 [N])."""
   bpe = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
   _, held_out_files = corpus.split_corpus(max_files=0)
   stream = trainer.encode_files(bpe, held_out_files)
@@ -68,6 +72,7 @@ def held_out_cross_entropy(model, model_dir: Path, seq_len: int) -> dict:
     "bits_per_byte": metrics["lm_loss"] * len(stream) / held_out_bytes / math.log(2),
     "bytes_per_token": held_out_bytes / len(stream),
     "teacher_forced_tokens_per_step_k3": metrics["tokens_per_step_k3"],
+    "stream": stream,
   }
 
 
@@ -114,13 +119,17 @@ def main(argv=None) -> int:
     EvalConfig(spec_tokens=(3,), temperatures=(0.0,)),
     progress=False,
   )
+  repeat_probability = repetition.repetition_probabilities(
+    model, held_out["stream"], KernelChoices()
+  )
   greedy = demo_continuations(bf16_model, tokenizer, SamplingParams())
   _print_samples("greedy demos (96 new tokens)", greedy)
   result = {
     "model_dir": str(model_dir),
-    "held_out": held_out,
+    "held_out": {k: v for k, v in held_out.items() if k != "stream"},
     "k3_greedy": row,
     "greedy_demos": greedy,
+    "repeat_probability_by_occurrence": repeat_probability,
     "measured": {
       "held_out_ce": held_out["ce"],
       "first_position_acceptance_k3": row["per_position_acceptance"][0],
@@ -148,6 +157,11 @@ def main(argv=None) -> int:
     f"(held-out: {held_out['windows']} windows of {seq_len} tokens, "
     f"{held_out['bits_per_byte']:.3f} bits/byte, {held_out['bytes_per_token']:.2f} bytes/token; "
     f"k=3 per position {' / '.join(f'{a:.2f}' for a in row['per_position_acceptance'])})"
+  )
+  lines.append(
+    "(a held-out 12-token span repeated: mean probability of its tokens at occurrences 2..10 "
+    + " / ".join(f"{p:.2f}" for p in repeat_probability)
+    + "; rising towards 1 is what traps greedy decoding in loops)"
   )
   if "sampled_demos" in result:
     sampled = result["sampled_demos"]

@@ -10,6 +10,9 @@ target): `loss = -log(1 - |p_n - lam * p_{n-1}|)`. For code a span of tokens pla
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.model.metadata import StepMetadata
 
 # Spans repeated in a window, in tokens: about one to three lines of Python at ~12 tokens a line.
 SPAN_TOKENS = (4, 32)
@@ -47,3 +50,29 @@ def self_reinforcement_loss(logits: jax.Array, windows: jax.Array, spans: jax.Ar
   # The log's argument is 1 - |p - lam p'| in [0, 1]; clip it off 0 where p reaches 1, lam = 0.
   gap = jnp.clip(1.0 - jnp.abs(p - lam * p_previous), 1e-6, 1.0)
   return jnp.sum(jnp.where(counted, -jnp.log(gap), 0.0)) / jnp.maximum(jnp.sum(counted), 1)
+
+
+def repetition_probabilities(
+  model, stream, kernels, *, span: int = 12, repeats: int = 10, rows: int = 64, seed: int = 0
+) -> list[float]:
+  """How much a model reinforces a repetition in its context (DITTO's diagnostic).
+
+  `rows` spans of `span` tokens drawn from `stream` (int [N], held-out text) are each repeated
+  `repeats` times; returns, for occurrences 2..`repeats`, the mean probability the model gives
+  each token of the span given everything before it (float32). A model that rises towards 1
+  with the occurrence count is one that greedy decoding traps in loops.
+  """
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(stream) - span + 1, rows)
+  windows = np.stack([np.tile(np.asarray(stream[s : s + span]), repeats) for s in starts])
+  ids = jnp.asarray(windows[:, :-1], jnp.int32)  # [rows, span * repeats - 1]
+
+  @jax.jit
+  def probabilities(ids, targets):
+    hidden, _ = model.forward(ids, StepMetadata.plain(ids, kernels))
+    log_probs = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+    return jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])
+
+  p = np.asarray(probabilities(ids, jnp.asarray(windows[:, 1:], jnp.int32)))
+  # Row t predicts token t + 1: occurrence k (1-based) holds tokens [(k - 1) span, k span).
+  return [float(p[:, (k - 1) * span - 1 : k * span - 1].mean()) for k in range(2, repeats + 1)]

@@ -663,6 +663,10 @@ def train(
     **{f"held_out_{k}": v for k, v in final.items() if k != "step"},
     "demo_max_line_repeats": demos["max_line_repeats"],
     "demo_parse_rate": demos["parse_rate"],
+    # Occurrences 2, 3, ... of a repeated held-out span: how strongly the model copies a loop.
+    "held_out_repeat_probability": repetition.repetition_probabilities(
+      model, held_out_stream, KernelChoices()
+    ),
   }
   log["samples"] = demos["samples"]
   with staging.staged_directory(output_dir, overwrite) as directory:

@@ -86,3 +86,32 @@ def test_a_train_step_with_repeated_rows_reports_the_repetition_loss():
 def test_bad_repetition_settings_are_clear_errors(changes, message):
   with pytest.raises(ValueError, match=message):
     dataclasses.replace(cli.SMOKE, **changes)
+
+
+class _FakeModel:
+  """Logits from the ids alone: `copy_back` > 0 puts all mass on the token `copy_back - 1`
+  positions back (a perfect copier of a span of that length); 0 gives uniform logits."""
+
+  def __init__(self, vocab: int, copy_back: int):
+    self.vocab, self.copy_back = vocab, copy_back
+
+  def forward(self, ids, step):
+    del step
+    if not self.copy_back:
+      return jnp.zeros(ids.shape + (self.vocab,)), None
+    source = jnp.roll(ids, self.copy_back - 1, axis=1)  # source[t] = ids[t - copy_back + 1]
+    return 50.0 * jax.nn.one_hot(source, self.vocab), None
+
+  def logits(self, hidden):
+    return hidden
+
+
+def test_repetition_probabilities_reads_occurrences_two_to_the_last():
+  stream = np.random.default_rng(7).integers(0, 20, 400)
+  kernels = trainer.training_kernels("cpu")
+  uniform = repetition.repetition_probabilities(_FakeModel(20, 0), stream, kernels, repeats=5)
+  np.testing.assert_allclose(uniform, [1 / 20] * 4, rtol=1e-5)
+  # A copier of 12-token spans predicts every token from the second occurrence on, and none of
+  # the first: a slice reaching back into the first occurrence would pull the first value below 1.
+  copier = repetition.repetition_probabilities(_FakeModel(20, 12), stream, kernels, span=12)
+  assert len(copier) == 9 and min(copier) > 0.999

@@ -78,6 +78,8 @@ def test_smoke_run_honours_its_flags_and_lowers_train_and_held_out_losses(smoke_
     evals[-1]["lm_loss"] / bytes_per_token / np.log(2)
   )
   assert len(log["samples"]) == 6 and 0.0 <= log["final"]["demo_parse_rate"] <= 1.0
+  repeat_probability = log["final"]["held_out_repeat_probability"]
+  assert len(repeat_probability) == 9 and all(0.0 < p < 1.0 for p in repeat_probability)
 
 
 def test_overwrite_replaces_the_whole_directory_and_leaves_no_temporary(smoke_run):
