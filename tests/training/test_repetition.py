@@ -71,8 +71,7 @@ def test_a_train_step_with_repeated_rows_reports_the_repetition_loss():
   stream = jnp.asarray(np.random.default_rng(6).integers(0, 512, 4000), jnp.int32)
   metrics = model.train_step(stream, jax.random.key(0), 1e-3)
   assert np.isfinite(float(metrics["repetition_loss"])) and float(metrics["repetition_loss"]) > 0
-  plain = trainer.Trainer(trainer.smoke_model_config(512), cli.SMOKE)
-  assert "repetition_loss" not in plain.train_step(stream, jax.random.key(0), 1e-3)
+  # Without repeated rows there is no such metric: test_training's smoke run checks its log.
 
 
 @pytest.mark.parametrize(

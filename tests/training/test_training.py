@@ -64,6 +64,7 @@ def test_smoke_run_honours_its_flags_and_lowers_train_and_held_out_losses(smoke_
   assert log["train_config"] == dataclasses.asdict(cli.SMOKE) | {"eval_every": 15}
   history, evals = log["history"], log["evals"]
   assert len(history) == log["final"]["steps"] == 30
+  assert "repetition_loss" not in history[0]  # no repeated rows in the smoke recipe
   assert [e["step"] for e in evals] == [0, 15, 30]
   first = np.mean([h["loss"] for h in history[:3]])
   last = np.mean([h["loss"] for h in history[-3:]])
