@@ -397,6 +397,7 @@ def main():
       ).lower()
       inputs = _draft_inputs(config, batch, k, args.context, block_tables[:batch], rng)
       for prune in (True, False):
+        drafting = dict(num_draft=k, sampling=GREEDY, kernels=KERNELS, prune=prune)
         lowered["cycle", batch, k, prune] = cycle_step.trace(
           graph,
           params,
@@ -407,21 +408,10 @@ def main():
           jnp.full((batch,), args.context + q_len, jnp.int32),
           block_tables[:batch],
           jax.random.key(0),
-          num_draft=k,
-          sampling=GREEDY,
-          kernels=KERNELS,
-          prune=prune,
+          **drafting,
         ).lower()
         lowered["draft", batch, k, prune] = draft_step.trace(
-          graph,
-          params,
-          cache,
-          inputs,
-          jax.random.key(0),
-          num_draft=k,
-          sampling=GREEDY,
-          kernels=KERNELS,
-          prune=prune,
+          graph, params, cache, inputs, jax.random.key(0), **drafting
         ).lower()
   compiled.update(_compile_all(lowered, results, log))
   results["speculative"] = {}
