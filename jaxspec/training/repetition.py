@@ -32,6 +32,12 @@ def repeated_windows(stream: jax.Array, key: jax.Array, rows: int, window: int):
   return stream[starts[:, None] + offsets], spans
 
 
+def _target_probabilities(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """logits [R, T, V], targets int [R, T] -> the probability of each target, float32 [R, T]."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])
+
+
 def self_reinforcement_loss(logits: jax.Array, windows: jax.Array, spans: jax.Array, lam: float):
   """DITTO's loss over the rows of repeated windows.
 
@@ -39,10 +45,8 @@ def self_reinforcement_loss(logits: jax.Array, windows: jax.Array, spans: jax.Ar
   spans: int32 [R]. Position t counts when its token's previous occurrence (one span earlier) is
   itself predicted, i.e. t >= span; the mean is over those positions of all rows.
   """
-  num_rows, seq_len, _ = logits.shape
-  targets = windows[:, 1 : seq_len + 1]  # [R, T]
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
-  p = jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])  # [R, T]
+  seq_len = logits.shape[1]
+  p = _target_probabilities(logits, windows[:, 1 : seq_len + 1])  # [R, T]
   positions = jnp.arange(seq_len)[None, :]  # [1, T]
   previous_index = jnp.maximum(positions - spans[:, None], 0)  # [R, T]
   p_previous = jax.lax.stop_gradient(jnp.take_along_axis(p, previous_index, axis=1))
@@ -70,8 +74,7 @@ def repetition_probabilities(
   @jax.jit
   def probabilities(ids, targets):
     hidden, _ = model.forward(ids, StepMetadata.plain(ids, kernels))
-    log_probs = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-    return jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])
+    return _target_probabilities(model.logits(hidden), targets)
 
   p = np.asarray(probabilities(ids, jnp.asarray(windows[:, 1:], jnp.int32)))
   # Row t predicts token t + 1: occurrence k (1-based) holds tokens [(k - 1) span, k span).

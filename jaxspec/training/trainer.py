@@ -264,8 +264,15 @@ def _compute_params(params):
   return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def _joint_logits(model: GlmForCausalLM, windows: jax.Array, depth: int, kernels: KernelChoices):
-  """windows: int32 [B, T + 1 + depth] -> (target logits [B, T, V], [MTP logits [B, T, V]] * depth).
+def _joint_logits(
+  model: GlmForCausalLM,
+  windows: jax.Array,
+  depth: int,
+  kernels: KernelChoices,
+  mtp_rows: int | None = None,
+):
+  """windows: int32 [B, T + 1 + depth] -> (target logits [B, T, V], [MTP logits [M, T, V]] * depth)
+  with M = `mtp_rows` (default B): the MTP layer runs on the first M windows only.
 
   Target row t predicts token t + 1. The MTP layer is applied `depth` times, as the draft loop
   applies it: at depth d, row t takes the hidden state of depth d - 1 (the target's for d = 1,
@@ -277,11 +284,12 @@ def _joint_logits(model: GlmForCausalLM, windows: jax.Array, depth: int, kernels
   step = StepMetadata.plain(inputs, kernels)
   hidden, _ = model.forward(inputs, step)  # [B, T, H]
   mtp_logits = []
-  previous = hidden
+  previous = hidden[:mtp_rows]  # [M, T, H]
+  mtp_step = StepMetadata.plain(inputs[:mtp_rows], kernels)
   for d in range(1, depth + 1):
     # Depth d consumes the state of position t + d - 1 (its RoPE position is t + d).
-    shifted = step.replace(positions=step.positions + d - 1)
-    previous, _ = model.mtp_forward(windows[:, d : seq_len + d], previous, shifted)
+    shifted = mtp_step.replace(positions=mtp_step.positions + d - 1)
+    previous, _ = model.mtp_forward(windows[:mtp_rows, d : seq_len + d], previous, shifted)
     mtp_logits.append(model.mtp_logits(previous))
   return model.logits(hidden), mtp_logits
 
@@ -324,14 +332,15 @@ class Trainer:
     depth = cfg.mtp_depth
     seq_len = windows.shape[1] - 1 - depth
     plain = cfg.batch_size - cfg.repetition_rows
-    logits, mtp_logits = _joint_logits(model, windows, depth, self.kernels)
+    # The repeated windows train the target only: the MTP layer runs on the plain ones.
+    logits, mtp_logits = _joint_logits(model, windows, depth, self.kernels, mtp_rows=plain)
     lm_loss = optax.softmax_cross_entropy_with_integer_labels(
       logits[:plain], windows[:plain, 1 : seq_len + 1]
     ).mean()
     mtp_losses = jnp.stack(
       [
         optax.softmax_cross_entropy_with_integer_labels(
-          mtp_logits[d - 1][:plain], windows[:plain, d + 1 : seq_len + d + 1]
+          mtp_logits[d - 1], windows[:plain, d + 1 : seq_len + d + 1]
         ).mean()
         for d in range(1, depth + 1)
       ]
