@@ -51,12 +51,15 @@ TARGETS = {  # name: (threshold, "max" | "min")
 }
 
 
-def held_out_cross_entropy(model, model_dir: Path, seq_len: int) -> dict:
-  """The trainer's held-out evaluation of a loaded checkpoint (bf16 forward, like training);
-  `stream` is the held-out token stream itself (int32 [N])."""
+def held_out_stream(model_dir: Path):
+  """(the held-out stdlib files, their tokens as the trainer streams them, int32 [N])."""
   bpe = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
   _, held_out_files = corpus.split_corpus(max_files=0)
-  stream = trainer.encode_files(bpe, held_out_files)
+  return held_out_files, trainer.encode_files(bpe, held_out_files)
+
+
+def held_out_cross_entropy(model, held_out_files, stream, seq_len: int) -> dict:
+  """The trainer's held-out evaluation of a loaded checkpoint (bf16 forward, like training)."""
   windows = trainer.eval_windows(stream, seq_len, 3, None)
   config = trainer.TrainConfig(
     vocab_size=model.config.vocab_size, seq_len=seq_len, eval_draft_depth=3, eval_batch_size=8
@@ -72,7 +75,6 @@ def held_out_cross_entropy(model, model_dir: Path, seq_len: int) -> dict:
     "bits_per_byte": metrics["lm_loss"] * len(stream) / held_out_bytes / math.log(2),
     "bytes_per_token": held_out_bytes / len(stream),
     "teacher_forced_tokens_per_step_k3": metrics["tokens_per_step_k3"],
-    "stream": stream,
   }
 
 
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
   if log_path.exists():
     seq_len = json.loads(log_path.read_text())["train_config"]["seq_len"]
 
-  held_out = held_out_cross_entropy(model, model_dir, seq_len)
+  held_out_files, stream = held_out_stream(model_dir)
+  held_out = held_out_cross_entropy(model, held_out_files, stream, seq_len)
   bf16_model = jaxspec.load_pretrained(model_dir, dtype=jnp.bfloat16)  # as `generate` serves it
   (row,) = evaluate(
     bf16_model,
@@ -119,14 +122,12 @@ def main(argv=None) -> int:
     EvalConfig(spec_tokens=(3,), temperatures=(0.0,)),
     progress=False,
   )
-  repeat_probability = repetition.repetition_probabilities(
-    model, held_out["stream"], KernelChoices()
-  )
+  repeat_probability = repetition.repetition_probabilities(model, stream, KernelChoices())
   greedy = demo_continuations(bf16_model, tokenizer, SamplingParams())
   _print_samples("greedy demos (96 new tokens)", greedy)
   result = {
     "model_dir": str(model_dir),
-    "held_out": {k: v for k, v in held_out.items() if k != "stream"},
+    "held_out": held_out,
     "k3_greedy": row,
     "greedy_demos": greedy,
     "repeat_probability_by_occurrence": repeat_probability,
