@@ -14,22 +14,37 @@ import numpy as np
 
 from jaxspec.model.metadata import StepMetadata
 
-# Spans repeated in a window, in tokens: about one to three lines of Python at ~12 tokens a line.
-SPAN_TOKENS = (4, 32)
+# Spans repeated in a window, in tokens: from part of a line to a short function (~12 tokens a
+# line). A window of W tokens caps its spans at W // 4, so at least two occurrences follow the
+# longest prefix of natural text (W // 2).
+SPAN_TOKENS = (4, 64)
 
 
 def repeated_windows(stream: jax.Array, key: jax.Array, rows: int, window: int):
-  """`rows` windows of `window` tokens, each one random span of `stream` repeated to fill it.
+  """`rows` windows of `window` tokens: natural text, then the span that follows it repeated.
 
-  stream: int32 [N] -> (windows int32 [rows, window], spans int32 [rows]): row r is
-  `stream[start_r + (i mod spans[r])]` for i in [0, window).
+  stream: int32 [N] -> (windows int32 [rows, window], spans int32 [rows], prefixes int32 [rows]):
+  row r is `stream[start_r - prefixes[r] + i]` for i < prefixes[r] (prefixes in [0, window // 2])
+  and `stream[start_r + (i - prefixes[r]) mod spans[r]]` from there on.
+
+  The prefix matters: trained only on windows that repeat from their first token, a model learns
+  to break a loop that fills its whole context and still falls into one that follows real code
+  (measured: a 535 s run's probability of a repeated span fell to 0.003 by the eighth occurrence
+  from the start of the context, and rose to 0.77 after 256 tokens of held-out text).
   """
-  span_key, start_key = jax.random.split(key)
-  low, high = SPAN_TOKENS
-  spans = jax.random.randint(span_key, (rows,), low, high + 1)  # [rows]
-  starts = jax.random.randint(start_key, (rows,), 0, stream.shape[0] - high + 1)  # [rows]
-  offsets = jnp.arange(window)[None, :] % spans[:, None]  # [rows, window]
-  return stream[starts[:, None] + offsets], spans
+  low, high = SPAN_TOKENS[0], min(SPAN_TOKENS[1], window // 4)
+  if high < low:
+    raise ValueError(f"window must be at least {4 * low} tokens to repeat a span, got {window}")
+  max_prefix = window // 2
+  if stream.shape[0] < max_prefix + high:
+    raise ValueError(f"stream of {stream.shape[0]} tokens is too short for {window}-token windows")
+  span_key, prefix_key, start_key = jax.random.split(key, 3)
+  spans = jax.random.randint(span_key, (rows, 1), low, high + 1)  # [rows, 1]
+  prefixes = jax.random.randint(prefix_key, (rows, 1), 0, max_prefix + 1)  # [rows, 1]
+  starts = jax.random.randint(start_key, (rows, 1), max_prefix, stream.shape[0] - high + 1)
+  i = jnp.arange(window)[None, :]  # [1, window]
+  offsets = jnp.where(i < prefixes, i - prefixes, (i - prefixes) % spans)  # [rows, window]
+  return stream[starts + offsets], spans[:, 0], prefixes[:, 0]
 
 
 def _target_probabilities(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -38,38 +53,59 @@ def _target_probabilities(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])
 
 
-def self_reinforcement_loss(logits: jax.Array, windows: jax.Array, spans: jax.Array, lam: float):
-  """DITTO's loss over the rows of repeated windows.
+def self_reinforcement_loss(
+  logits: jax.Array, windows: jax.Array, spans: jax.Array, prefixes: jax.Array, lam: float
+):
+  """DITTO's loss over the rows of repeated windows (`repeated_windows`).
 
   logits: float32 [R, T, V], row t predicting token t + 1 of `windows` int32 [R, >= T + 1];
-  spans: int32 [R]. Position t counts when its token's previous occurrence (one span earlier) is
-  itself predicted, i.e. t >= span; the mean is over those positions of all rows.
+  spans, prefixes: int32 [R]. Row t counts when its token is in the second occurrence of the span
+  or later and the same token one occurrence earlier is itself predicted (row t - span >= 0); the
+  mean is over those rows of all windows.
   """
   seq_len = logits.shape[1]
   p = _target_probabilities(logits, windows[:, 1 : seq_len + 1])  # [R, T]
   positions = jnp.arange(seq_len)[None, :]  # [1, T]
-  previous_index = jnp.maximum(positions - spans[:, None], 0)  # [R, T]
-  p_previous = jax.lax.stop_gradient(jnp.take_along_axis(p, previous_index, axis=1))
-  counted = positions >= spans[:, None]  # [R, T]
+  spans, prefixes = spans[:, None], prefixes[:, None]  # [R, 1]
+  p_previous = jax.lax.stop_gradient(
+    jnp.take_along_axis(p, jnp.maximum(positions - spans, 0), axis=1)
+  )
+  counted = (positions + 1 >= prefixes + spans) & (positions >= spans)  # [R, T]
   # The log's argument is 1 - |p - lam p'| in [0, 1]; clip it off 0 where p reaches 1, lam = 0.
   gap = jnp.clip(1.0 - jnp.abs(p - lam * p_previous), 1e-6, 1.0)
   return jnp.sum(jnp.where(counted, -jnp.log(gap), 0.0)) / jnp.maximum(jnp.sum(counted), 1)
 
 
 def repetition_probabilities(
-  model, stream, kernels, *, span: int = 12, repeats: int = 10, rows: int = 64, seed: int = 0
+  model,
+  stream,
+  kernels,
+  *,
+  span: int = 12,
+  repeats: int = 10,
+  prefix: int = 256,
+  rows: int = 64,
+  seed: int = 0,
 ) -> list[float]:
   """How much a model reinforces a repetition in its context (DITTO's diagnostic).
 
-  `rows` spans of `span` tokens drawn from `stream` (int [N], held-out text) are each repeated
-  `repeats` times; returns, for occurrences 2..`repeats`, the mean probability the model gives
-  each token of the span given everything before it (float32). A model that rises towards 1
-  with the occurrence count is one that greedy decoding traps in loops.
+  `rows` places in `stream` (int [N], held-out text) each give `prefix` tokens of text and the
+  `span` tokens that follow them, repeated `repeats` times; returns, for occurrences
+  2..`repeats`, the mean probability the model gives each token of the span given everything
+  before it (float32). A model that rises towards 1 with the occurrence count is one that greedy
+  decoding traps in loops. The prefix keeps the measure honest: a loop in generation follows
+  real code, and a model can learn to break only the loops that start its context.
   """
   rng = np.random.default_rng(seed)
-  starts = rng.integers(0, len(stream) - span + 1, rows)
-  windows = np.stack([np.tile(np.asarray(stream[s : s + span]), repeats) for s in starts])
-  ids = jnp.asarray(windows[:, :-1], jnp.int32)  # [rows, span * repeats - 1]
+  stream = np.asarray(stream)
+  starts = rng.integers(prefix, len(stream) - span + 1, rows)
+  windows = np.stack(
+    [
+      np.concatenate([stream[s - prefix : s], np.tile(stream[s : s + span], repeats)])
+      for s in starts
+    ]
+  )  # [rows, prefix + span * repeats]
+  ids = jnp.asarray(windows[:, :-1], jnp.int32)
 
   @jax.jit
   def probabilities(ids, targets):
@@ -77,5 +113,7 @@ def repetition_probabilities(
     return _target_probabilities(model.logits(hidden), targets)
 
   p = np.asarray(probabilities(ids, jnp.asarray(windows[:, 1:], jnp.int32)))
-  # Row t predicts token t + 1: occurrence k (1-based) holds tokens [(k - 1) span, k span).
-  return [float(p[:, (k - 1) * span - 1 : k * span - 1].mean()) for k in range(2, repeats + 1)]
+  # Row t predicts token t + 1: occurrence k (1-based) holds tokens [prefix + (k - 1) span,
+  # prefix + k span).
+  first = [prefix + (k - 1) * span - 1 for k in range(2, repeats + 1)]
+  return [float(p[:, row : row + span].mean()) for row in first]

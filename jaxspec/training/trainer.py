@@ -323,10 +323,11 @@ class Trainer:
   def model(self) -> GlmForCausalLM:
     return nnx.merge(self.graphdef, self.params)
 
-  def _loss(self, params, windows, spans):
+  def _loss(self, params, windows, repeats):
     """`CE(next) + mtp_weight * mean_d CE(depth d)`, as DeepSeek-V3's `lambda / D * sum_d L_d`,
-    over the plain windows; with `repetition_rows` R of B windows repeating a span (`spans` [R],
-    the last R rows), `(1 - R / B) * that + (R / B) * DITTO's loss` over them."""
+    over the plain windows; with `repetition_rows` R of B windows repeating a span (the last R
+    rows; `repeats` = their (spans, prefixes), int32 [R] each, from
+    `repetition.repeated_windows`), `(1 - R / B) * that + (R / B) * DITTO's loss` over them."""
     cfg = self.config
     model = nnx.merge(self.graphdef, _compute_params(params))
     depth = cfg.mtp_depth
@@ -349,7 +350,7 @@ class Trainer:
     if not cfg.repetition_rows:
       return loss, (loss, lm_loss, mtp_losses, None)
     repeat_loss = repetition.self_reinforcement_loss(
-      logits[plain:], windows[plain:], spans, cfg.repetition_lambda
+      logits[plain:], windows[plain:], *repeats, cfg.repetition_lambda
     )
     share = cfg.repetition_rows / cfg.batch_size
     return (1 - share) * loss + share * repeat_loss, (loss, lm_loss, mtp_losses, repeat_loss)
@@ -362,14 +363,15 @@ class Trainer:
     plain = cfg.batch_size - cfg.repetition_rows
     starts = jax.random.randint(key, (plain,), 0, stream.shape[0] - window + 1)
     windows = stream[starts[:, None] + jnp.arange(window)]  # [B - R, T + 1 + depth]
-    spans = None
+    repeats = None
     if cfg.repetition_rows:
-      repeated, spans = repetition.repeated_windows(
+      repeated, spans, prefixes = repetition.repeated_windows(
         stream, jax.random.fold_in(key, 1), cfg.repetition_rows, window
       )
+      repeats = (spans, prefixes)
       windows = jnp.concatenate([windows, repeated])  # [B, T + 1 + depth]
     grads, (loss, lm_loss, mtp_losses, repeat_loss) = jax.grad(self._loss, has_aux=True)(
-      params, windows, spans
+      params, windows, repeats
     )
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     params = jax.tree.map(lambda p, u: p - lr * u, params, updates)

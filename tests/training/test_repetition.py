@@ -10,25 +10,37 @@ import pytest
 from jaxspec.training import cli, repetition, trainer
 
 
-def test_repeated_windows_repeat_one_span_of_the_stream():
+def test_repeated_windows_follow_natural_text_with_one_span_of_it_repeated():
   stream = jnp.arange(1000, dtype=jnp.int32) * 7  # distinct tokens: a row's content locates it
-  windows, spans = repetition.repeated_windows(stream, jax.random.key(0), 16, 100)
-  windows, spans = np.asarray(windows), np.asarray(spans)
-  assert windows.shape == (16, 100) and spans.shape == (16,)
-  low, high = repetition.SPAN_TOKENS
+  window = 200
+  windows, spans, prefixes = repetition.repeated_windows(stream, jax.random.key(0), 32, window)
+  windows, spans, prefixes = map(np.asarray, (windows, spans, prefixes))
+  assert windows.shape == (32, window) and spans.shape == prefixes.shape == (32,)
+  low, high = repetition.SPAN_TOKENS[0], window // 4
   assert ((spans >= low) & (spans <= high)).all() and len(set(spans.tolist())) > 1
-  for row, span in zip(windows, spans, strict=True):
-    start = row[0] // 7
-    np.testing.assert_array_equal(row[:span], np.asarray(stream[start : start + span]))
-    np.testing.assert_array_equal(row[span:], row[:-span])  # period `span`
+  assert ((prefixes >= 0) & (prefixes <= window // 2)).all() and len(set(prefixes.tolist())) > 1
+  for row, span, prefix in zip(windows, spans, prefixes, strict=True):
+    start = row[prefix] // 7  # the span's first token
+    # The prefix is the text just before the span, and the span repeats with period `span`.
+    np.testing.assert_array_equal(
+      row[: prefix + span], np.asarray(stream[start - prefix : start + span])
+    )
+    np.testing.assert_array_equal(row[prefix + span :], row[prefix:-span])
 
 
-def _numpy_loss(logits, windows, spans, lam):
+@pytest.mark.parametrize("window, message", [(15, "window must be at least 16"), (64, "too short")])
+def test_repeated_windows_refuse_what_cannot_hold_two_occurrences(window, message):
+  with pytest.raises(ValueError, match=message):
+    repetition.repeated_windows(jnp.arange(40, dtype=jnp.int32), jax.random.key(0), 2, window)
+
+
+def _numpy_loss(logits, windows, spans, prefixes, lam):
   probs = np.exp(logits - logits.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
   total, count = 0.0, 0
-  for r, span in enumerate(spans):
-    for t in range(span, logits.shape[1]):
+  for r, (span, prefix) in enumerate(zip(spans, prefixes, strict=True)):
+    # Token j = t + 1 in the second occurrence or later, its previous occurrence predicted too.
+    for t in range(max(prefix + span - 1, span), logits.shape[1]):
       p = probs[r, t, windows[r, t + 1]]
       p_previous = probs[r, t - span, windows[r, t + 1 - span]]
       total += -np.log(1.0 - abs(p - lam * p_previous))
@@ -37,30 +49,39 @@ def _numpy_loss(logits, windows, spans, lam):
 
 
 def test_the_loss_is_ditto_s_formula_over_the_positions_with_a_previous_occurrence():
-  rows, seq_len, vocab = 3, 40, 11
+  rows, seq_len, vocab = 6, 160, 11
   stream = jnp.asarray(np.random.default_rng(0).integers(0, vocab, 500), jnp.int32)
-  windows, spans = repetition.repeated_windows(stream, jax.random.key(1), rows, seq_len + 1)
+  windows, spans, prefixes = repetition.repeated_windows(
+    stream, jax.random.key(1), rows, seq_len + 1
+  )
+  # A row without a prefix too: there the first token of the second occurrence has no predicted
+  # previous occurrence (the formula holds for any spans and prefixes, consistent or not).
+  prefixes = prefixes.at[0].set(0)
   # Sharp logits so that the probabilities span (0, 1), not just values near 1 / vocab.
   logits = 4.0 * jax.random.normal(jax.random.key(2), (rows, seq_len, vocab))
-  got = repetition.self_reinforcement_loss(logits, windows, spans, 0.5)
-  want = _numpy_loss(np.asarray(logits, np.float64), np.asarray(windows), np.asarray(spans), 0.5)
+  got = repetition.self_reinforcement_loss(logits, windows, spans, prefixes, 0.5)
+  want = _numpy_loss(
+    np.asarray(logits, np.float64), *map(np.asarray, (windows, spans, prefixes)), 0.5
+  )
   np.testing.assert_allclose(float(got), want, rtol=1e-5)
 
 
-def test_a_gradient_step_lowers_the_loss_and_leaves_the_previous_occurrence_alone():
-  """The previous repetition's probability is a stop-gradient target: with lambda 0, only the
-  positions that are counted get a gradient, and a small step against it lowers the loss."""
+def test_a_gradient_step_lowers_the_loss_and_leaves_the_prefix_and_first_occurrence_alone():
+  """The previous repetition's probability is a stop-gradient target: only the positions that
+  are counted (the second occurrence on) get a gradient, and a small step against it lowers
+  the loss."""
   stream = jnp.asarray(np.random.default_rng(3).integers(0, 9, 300), jnp.int32)
-  windows, spans = repetition.repeated_windows(stream, jax.random.key(4), 2, 33)
-  logits = 3.0 * jax.random.normal(jax.random.key(5), (2, 32, 9))
+  windows, spans, prefixes = repetition.repeated_windows(stream, jax.random.key(4), 4, 97)
+  logits = 3.0 * jax.random.normal(jax.random.key(5), (4, 96, 9))
 
   def loss(logits):
-    return repetition.self_reinforcement_loss(logits, windows, spans, 0.5)
+    return repetition.self_reinforcement_loss(logits, windows, spans, prefixes, 0.5)
 
   grad = jax.grad(loss)(logits)
   assert float(loss(logits - 0.5 * grad)) < float(loss(logits))
-  positions = np.arange(32)[None, :]
-  uncounted = positions < np.asarray(spans)[:, None]  # [2, 32]
+  positions = np.arange(96)[None, :]
+  spans, prefixes = np.asarray(spans)[:, None], np.asarray(prefixes)[:, None]
+  uncounted = (positions + 1 < prefixes + spans) | (positions < spans)  # [4, 96]
   assert np.abs(np.asarray(grad))[uncounted].max() == 0.0
   assert np.abs(np.asarray(grad))[~uncounted].max() > 0.0
 
@@ -89,17 +110,24 @@ def test_bad_repetition_settings_are_clear_errors(changes, message):
 
 class _FakeModel:
   """Logits from the ids alone: `copy_back` > 0 puts all mass on the token `copy_back - 1`
-  positions back (a perfect copier of a span of that length); 0 gives uniform logits."""
+  positions back (a perfect copier of a span of that length); 0 gives uniform logits. With
+  `shortcut`, rows whose context repeats from its first token get uniform logits: the model
+  that DITTO's windows taught when they had no prefix of natural text."""
 
-  def __init__(self, vocab: int, copy_back: int):
-    self.vocab, self.copy_back = vocab, copy_back
+  def __init__(self, vocab: int, copy_back: int, shortcut: bool = False):
+    self.vocab, self.copy_back, self.shortcut = vocab, copy_back, shortcut
 
   def forward(self, ids, step):
     del step
     if not self.copy_back:
       return jnp.zeros(ids.shape + (self.vocab,)), None
     source = jnp.roll(ids, self.copy_back - 1, axis=1)  # source[t] = ids[t - copy_back + 1]
-    return 50.0 * jax.nn.one_hot(source, self.vocab), None
+    logits = 50.0 * jax.nn.one_hot(source, self.vocab)
+    if self.shortcut:
+      period = self.copy_back
+      loops_from_start = jnp.all(ids[:, :period] == ids[:, period : 2 * period], axis=1)
+      logits = jnp.where(loops_from_start[:, None, None], 0.0, logits)
+    return logits, None
 
   def logits(self, hidden):
     return hidden
@@ -114,3 +142,13 @@ def test_repetition_probabilities_reads_occurrences_two_to_the_last():
   # the first: a slice reaching back into the first occurrence would pull the first value below 1.
   copier = repetition.repetition_probabilities(_FakeModel(20, 12), stream, kernels, span=12)
   assert len(copier) == 9 and min(copier) > 0.999
+
+
+def test_repetition_probabilities_sees_through_a_model_that_breaks_only_loops_from_the_start():
+  stream = np.random.default_rng(8).integers(0, 20, 400)
+  kernels = trainer.training_kernels("cpu")
+  model = _FakeModel(20, 12, shortcut=True)
+  after_text = repetition.repetition_probabilities(model, stream, kernels, span=12)
+  from_start = repetition.repetition_probabilities(model, stream, kernels, span=12, prefix=0)
+  assert min(after_text) > 0.999
+  np.testing.assert_allclose(from_start, [1 / 20] * 9, rtol=1e-5)
