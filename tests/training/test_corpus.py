@@ -46,3 +46,42 @@ def test_an_archive_without_manifest_is_refused(tmp_path):
     tar.add(source, arcname="stdlib/x.py")
   with pytest.raises(ValueError, match="MANIFEST.json"):
     corpus.read_archive(path)
+
+
+def _build_corpus_script():
+  import importlib.util
+  from pathlib import Path
+
+  path = Path(__file__).parents[2] / "scripts" / "build_corpus.py"
+  spec = importlib.util.spec_from_file_location("build_corpus", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_a_wheel_gives_its_python_files_version_and_licence(tmp_path):
+  import hashlib
+  import zipfile
+
+  wheel = tmp_path / "demo_pkg-1.2.3-py3-none-any.whl"
+  with zipfile.ZipFile(wheel, "w") as archive:
+    archive.writestr("demo_pkg/__init__.py", "x = 1\n")
+    archive.writestr("demo_pkg/sub/core.py", "def f():\n    return 2\n")
+    archive.writestr("demo_pkg/__pycache__/core.cpython-312.py", "stale\n")
+    archive.writestr("demo_pkg/data.json", "{}")
+    archive.writestr("demo_pkg-1.2.3.data/scripts/tool.py", "print('script')\n")
+    archive.writestr(
+      "demo_pkg-1.2.3.dist-info/METADATA",
+      "Metadata-Version: 2.4\nName: demo-pkg\nVersion: 1.2.3\nLicense-Expression: BSD-3-Clause\n",
+    )
+  described, sources = _build_corpus_script().wheel_sources(wheel)
+  assert described == {
+    "version": "1.2.3",
+    "licence": "BSD-3-Clause",
+    "wheel": wheel.name,
+    "wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
+  }
+  assert sources == [
+    ("demo_pkg/__init__.py", b"x = 1\n"),
+    ("demo_pkg/sub/core.py", b"def f():\n    return 2\n"),
+  ]
