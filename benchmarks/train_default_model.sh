@@ -27,12 +27,19 @@
 #   MTP trained to depth 3 vs 2:     no difference in held-out CE or chain acceptance yet
 # The default keeps vocabulary 2048 (per-token CE comparable with the first model's; 4096 is
 # better per byte but 11% more bits per token, 1024 the reverse), widens to hidden 320 (width
-# paid more than depth) and trains on the archive. With dense experts and cuDNN attention
-# (trainer.training_kernels, before its one-hot embedding gradient) and batch 128, a 540 s budget
-# on an H200 ran 5201 steps at 626k tokens/s: 341M tokens, 9 passes over the archive's 38M
-# (held-out CE 2.09; the grouped experts and the float32-softmax attention at batch 64 ran 2696
-# steps at 318k tokens/s, CE 2.23). The same step alone takes 32 ms on random ids, 82-95 ms on
-# the corpus's tokens: the one-hot embedding gradient is meant to close that gap (not yet run).
+# paid more than depth) and trains on the archive.
+#
+# Runs on one H200 at batch 128 x 512, dense experts and cuDNN attention
+# (trainer.training_kernels), 540 s budget unless noted; held-out CE, then the demos' most
+# repeated line (trainer log; the bar is 2):
+#   scatter-add embedding gradient, 38M-token archive:          5201 steps, 626k tok/s, CE 2.09
+#   one-hot embedding gradient, same archive, 16 DITTO rows:   14002 steps, 1.93M tok/s, CE 2.06,
+#                                                               13 (DITTO windows without prefix)
+#   same, 223 MB archive (pinned wheels), prefixed windows:    13626 steps, 1.94M tok/s, CE 2.01, 4
+#   same with 32 DITTO rows, 400 s:                             CE 2.07, 10
+# The third is the embedded model. The step on the corpus's tokens took 82-95 ms with XLA's
+# scatter-add embedding gradient (its atomics serialise on frequent tokens) against 32 ms on
+# random ids; the one-hot matmul gradient runs the corpus at the random-id speed.
 set -euo pipefail
 output_dir=${1:?usage: $0 OUTPUT_DIR [train options]}
 shift

@@ -11,7 +11,8 @@ Measures, for MODEL_DIR (default: the embedded model):
   machinery of `python -m jaxspec evaluate`): first-position acceptance >= 0.7 and tokens per
   verify step >= 3.0;
 - how strongly the model reinforces a repetition (`repetition.repetition_probabilities`: the
-  probability of a repeated held-out span's tokens at each occurrence; reported, no target);
+  probability of a repeated held-out span's tokens at each occurrence, after 256 tokens of
+  held-out text; reported, no target);
 - greedy continuations of the six demo prompts (`jaxspec.training.demos.DEMO_PROMPTS`), 96 new
   tokens: no line more than twice, and more than half parse with `ast.parse` when cut at the last
   complete line. With `--sample-temperature T` the same prompts are also sampled (top-p 0.95,
@@ -160,7 +161,8 @@ def main(argv=None) -> int:
     f"k=3 per position {' / '.join(f'{a:.2f}' for a in row['per_position_acceptance'])})"
   )
   lines.append(
-    "(a held-out 12-token span repeated: mean probability of its tokens at occurrences 2..10 "
+    "(a held-out 12-token span repeated after 256 tokens of its text: mean probability of its "
+    "tokens at occurrences 2..10 "
     + " / ".join(f"{p:.2f}" for p in repeat_probability)
     + "; rising towards 1 is what traps greedy decoding in loops)"
   )

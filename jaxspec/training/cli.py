@@ -31,6 +31,7 @@ SMOKE = TrainConfig(
   max_eval_windows=16,
   log_every=1,
   max_train_files=40,
+  repetition_rows=0,
 )
 
 # TrainConfig field -> (argparse type, help). Each becomes `--field-name`, default None (unset).

@@ -39,6 +39,8 @@ from jaxspec.model.config import GlmConfig
 from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import save_pretrained
+from jaxspec.serving.token_healing import continuation_text, heal_prompt
+from jaxspec.tokenizer import HfTokenizer
 from jaxspec.training import bpe, corpus, repetition, staging
 from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
@@ -135,7 +137,9 @@ class TrainConfig:
   mtp_weight: float = 0.3
   mtp_depth: int = 2
   # Windows per batch that repeat one span, trained with DITTO's loss (`repetition`); 0: off.
-  repetition_rows: int = 0
+  # 16 of 128 took the default model's demos from a line repeated 13 times to 4 at a held-out
+  # CE of 2.01; 32 in a shorter run did worse (CE 2.07, 10): benchmarks/train_default_model.sh.
+  repetition_rows: int = 16
   repetition_lambda: float = 0.5
   eval_draft_depth: int = 3
   eval_every: int = 250
@@ -457,26 +461,34 @@ class Trainer:
 
 
 def greedy_continuations(
-  model: GlmForCausalLM, prompts: list[list[int]], new_tokens: int
+  model: GlmForCausalLM,
+  prompts: list[list[int]],
+  first_token_masks: list[np.ndarray | None],
+  new_tokens: int,
 ) -> list[list[int]]:
   """Greedy decoding of each prompt by re-running the causal forward (no cache).
 
   Every prompt runs in the same `[1, length]` buffer (the longest prompt plus `new_tokens`,
-  rounded up to 64); the tokens after the current position do not affect it (causal mask).
+  rounded up to 64); the tokens after the current position do not affect it (causal mask). A
+  prompt's first token is the argmax over its first-token mask (bool [V], None: every token), as
+  `Generator.generate(first_token_masks=...)` takes it for token healing.
   """
   length = -(-(max(len(p) for p in prompts) + new_tokens) // 64) * 64
+  every_token = np.ones(model.config.vocab_size, bool)  # [V]
 
   @jax.jit
-  def next_token(ids, position):
-    return jnp.argmax(model(ids)[0, position]).astype(jnp.int32)
+  def next_token(ids, position, allowed):  # allowed: bool [V]
+    return jnp.argmax(jnp.where(allowed, model(ids)[0, position], -jnp.inf)).astype(jnp.int32)
 
   continuations = []
-  for prompt_ids in prompts:
+  for prompt_ids, mask in zip(prompts, first_token_masks, strict=True):
     buffer = np.zeros((1, length), np.int32)
     buffer[0, : len(prompt_ids)] = prompt_ids
     end = len(prompt_ids) + new_tokens
+    allowed = every_token if mask is None else mask
     for position in range(len(prompt_ids) - 1, end - 1):
-      buffer[0, position + 1] = int(next_token(jnp.asarray(buffer), position))
+      buffer[0, position + 1] = int(next_token(jnp.asarray(buffer), position, allowed))
+      allowed = every_token  # only the first new token is constrained
     continuations.append(buffer[0, len(prompt_ids) : end].tolist())
   return continuations
 
@@ -662,11 +674,18 @@ def train(
   final = run_eval(total_steps)
 
   model = trainer.model()
-  prompts = [tokenizer.encode(p, add_special_tokens=False).ids for p in DEMO_PROMPTS]
-  continuations = greedy_continuations(model, prompts, DEMO_NEW_TOKENS)
-  demos = demo_quality(
-    [(p, tokenizer.decode(c)) for p, c in zip(DEMO_PROMPTS, continuations, strict=True)]
+  # Healed as `python -m jaxspec generate` heals them, so the numbers describe what it shows.
+  text_tokenizer = HfTokenizer(tokenizer)
+  prompts = [text_tokenizer.encode(p) for p in DEMO_PROMPTS]
+  healed = [heal_prompt(text_tokenizer, p, model_config.vocab_size) for p in prompts]
+  continuations = greedy_continuations(
+    model, [ids for ids, _ in healed], [mask for _, mask in healed], DEMO_NEW_TOKENS
   )
+  texts = [
+    continuation_text(text_tokenizer, p, ids, c)
+    for p, (ids, _), c in zip(prompts, healed, continuations, strict=True)
+  ]
+  demos = demo_quality(list(zip(DEMO_PROMPTS, texts, strict=True)))
   log["final"] = {
     "steps": total_steps,
     "train_lm_loss": log["history"][-1]["lm_loss"],
