@@ -22,6 +22,7 @@ from jaxspec.model.weights import load_pretrained, read_config
 from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
 from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
+from jaxspec.serving.token_healing import continuation_text, heal_prompt
 from jaxspec.tokenizer import HfTokenizer
 from jaxspec.training.cli import add_train_parser, run_train
 
@@ -85,6 +86,13 @@ def _build_parser() -> argparse.ArgumentParser:
     default=3,
     help="timed runs after the compiling warm-up (alternating with --compare); the report is "
     "the median run's",
+  )
+  gen.add_argument(
+    "--no-token-healing",
+    dest="token_healing",
+    action="store_false",
+    help="keep the prompt's last token; by default it is removed and the first new token must "
+    "start with its text (token healing: a prompt ending in a newline may go on indented)",
   )
   gen.add_argument("--json", action="store_true", help="print one JSON object")
   add_train_parser(commands)
@@ -185,9 +193,11 @@ def _load_weights(parser, directory: Path, dtype: str):
     parser.error(f"--model {directory}: {error}")
 
 
-def _warm_engine(model, prompt_ids, args, sampling: SamplingParams, spec_tokens: int):
+def _warm_engine(
+  model, prompt_ids, first_token_mask, args, sampling: SamplingParams, spec_tokens: int
+):
   """A plain (spec_tokens 0) or MTP-speculative engine for the prompt, its steps compiled by a
-  two-token run on the same shapes, so that timed runs exclude compilation."""
+  two-token run on the same shapes and first-token mask, so that timed runs exclude compilation."""
   engine_config = EngineConfig(
     max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens, page_size=args.page_size
   )
@@ -195,11 +205,18 @@ def _warm_engine(model, prompt_ids, args, sampling: SamplingParams, spec_tokens:
     engine = SpeculativeGenerator(model, engine_config, SpeculativeConfig(spec_tokens))
   else:
     engine = Generator(model, engine_config)
-  engine.generate([prompt_ids], max_new_tokens=min(2, args.max_new_tokens), sampling=sampling)
+  engine.generate(
+    [prompt_ids],
+    max_new_tokens=min(2, args.max_new_tokens),
+    sampling=sampling,
+    first_token_masks=[first_token_mask],
+  )
   return engine
 
 
-def _timed_runs(engines: dict, prompt_ids, args, sampling: SamplingParams) -> dict[str, dict]:
+def _timed_runs(
+  engines: dict, prompt_ids, first_token_mask, args, sampling: SamplingParams
+) -> dict[str, dict]:
   """`args.repeats` runs of every engine, alternating between them (a drift of the machine's
   speed hits each alike); per engine, the run of median throughput (tokens and metrics)."""
   runs = {name: [] for name in engines}
@@ -210,6 +227,7 @@ def _timed_runs(engines: dict, prompt_ids, args, sampling: SamplingParams) -> di
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seed=args.seed,
+        first_token_masks=[first_token_mask],
         progress=not args.json and repeat == 0,
       )
       runs[name].append({"tokens": out.tokens[0], **out.metrics.as_dict()})
@@ -237,10 +255,14 @@ def generate(args) -> dict:
   model = _load_weights(parser, directory, args.dtype)
   if args.spec_tokens and model.mtp is None:
     parser.error(f"{model_name} has no MTP weights; use --spec-tokens 0")
-  engines = {"main": _warm_engine(model, prompt_ids, args, sampling, args.spec_tokens)}
+  # Both engines run the same (healed) prompt and first-token mask.
+  ids, mask = prompt_ids, None
+  if args.token_healing:
+    ids, mask = heal_prompt(tokenizer, prompt_ids, config.vocab_size)
+  engines = {"main": _warm_engine(model, ids, mask, args, sampling, args.spec_tokens)}
   if args.compare:
-    engines["baseline"] = _warm_engine(model, prompt_ids, args, sampling, 0)
-  runs = _timed_runs(engines, prompt_ids, args, sampling)
+    engines["baseline"] = _warm_engine(model, ids, mask, args, sampling, 0)
+  runs = _timed_runs(engines, ids, mask, args, sampling)
   run = runs["main"]
   result = {
     "model": model_name,
@@ -248,7 +270,9 @@ def generate(args) -> dict:
     "prompt": args.prompt,
     "seed": args.seed,
     "repeats": args.repeats,
-    "text": tokenizer.decode(run["tokens"]),
+    "text": continuation_text(tokenizer, prompt_ids, ids, run["tokens"]),
+    # The text of the prompt's last token, removed and re-covered by the first new token.
+    "token_healing": None if mask is None else tokenizer.decode(prompt_ids[len(ids) :]),
     "spec_tokens": args.spec_tokens,
     "sampling": dataclasses.asdict(sampling),
     **run,
@@ -277,6 +301,11 @@ def _print_report(result) -> None:
     f"-- {len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tok/s, "
     f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms",
   ]
+  if result["token_healing"] is not None:
+    lines.append(
+      f"-- token healing: the prompt's last token {result['token_healing']!r} was removed; the "
+      f"first new token starts with its text (--no-token-healing: off)"
+    )
   if result["spec_tokens"]:
     per_position = ", ".join(f"{a:.2f}" for a in result["per_position_acceptance"])
     lines.append(

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec.__main__ import DEFAULT_MODEL, _sampling, _timed_runs, main
+from jaxspec.__main__ import DEFAULT_MODEL, _print_report, _sampling, _timed_runs, main
 from jaxspec.serving.sampling import SamplingParams
+from jaxspec.tokenizer import load_tokenizer
 from jaxspec.training import cli as train_cli
 
 ROOT = Path(__file__).parents[1]
@@ -78,6 +79,25 @@ def test_speculative_generate_with_compare_reports_both_paths(capsys):
   assert result["repeats"] == 3
 
 
+def test_generate_heals_the_prompt_boundary_unless_told_not_to(capsys):
+  prompt = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
+  argv = ["generate", "--prompt", prompt, "--max-new-tokens", "8", "--repeats", "1"]
+  assert main([*argv, "--spec-tokens", "2", "--compare", "--json"]) == 0
+  healed = json.loads(capsys.readouterr().out)
+  assert healed["token_healing"] == "\n" and healed["baseline"]["same_tokens"]
+  # The first new token re-covers the removed newline, which is printed once, with the prompt.
+  tokenizer = load_tokenizer(DEFAULT_MODEL)
+  healed_ids = tokenizer.encode(prompt)[:-1]
+  assert prompt + healed["text"] == tokenizer.decode(healed_ids + healed["tokens"])
+  _print_report(healed)
+  out, err = capsys.readouterr()
+  assert out.splitlines()[1:] == (prompt + healed["text"]).splitlines()
+  assert "token healing: the prompt's last token '\\n' was removed" in err
+  assert main([*argv, "--no-token-healing"]) == 0
+  out, err = capsys.readouterr()
+  assert out.split("\n", 1)[1].startswith(prompt) and "token healing" not in err
+
+
 def test_compare_alternates_the_engines_and_reports_each_ones_median_run(monkeypatch):
   calls = []
 
@@ -93,7 +113,7 @@ def test_compare_alternates_the_engines_and_reports_each_ones_median_run(monkeyp
 
   engines = {"main": FakeEngine("main", [30, 10, 20]), "baseline": FakeEngine("plain", [5, 7, 6])}
   args = argparse.Namespace(repeats=3, max_new_tokens=4, seed=0, json=True)
-  runs = _timed_runs(engines, [1, 2], args, SamplingParams())
+  runs = _timed_runs(engines, [1, 2], None, args, SamplingParams())
   assert calls == ["main", "plain"] * 3
   assert runs["main"] == {"tokens": [20], "tokens_per_s": 20}
   assert runs["baseline"] == {"tokens": [6], "tokens_per_s": 6}

@@ -168,6 +168,9 @@ class Wave:
   done: np.ndarray  # bool [B]; padding slots start done
   sampling: SamplingParams
   key: jax.Array  # the wave's PRNG key
+  # bool [B, V] allowed first tokens (token healing), all True in unconstrained rows; None when
+  # no request of the wave constrains its first token (the prefill compiled without a mask).
+  first_token_mask: np.ndarray | None = None
   # Key data of the next steps, kept on the host (`steps.step_key`: a step's key costs no device
   # work): rows of one split of `KEYS_PER_SPLIT`, the last row being the parent of the next split.
   keys: np.ndarray | None = None
@@ -309,16 +312,21 @@ class Generator:
     sampling: SamplingParams = GREEDY,
     seed: int = 0,
     stop_token_ids: Sequence[int] | None = None,
+    first_token_masks: Sequence[np.ndarray | None] | None = None,
     progress: bool = False,
   ) -> GenerationOutput:
     """Generates up to `max_new_tokens` tokens per prompt; stops a request at a stop token.
 
     `stop_token_ids` defaults to the config's `eos_token_id`; pass `()` to never stop early.
+    `first_token_masks`, one entry per prompt (a bool [vocab_size] array or None), restricts a
+    request's first new token to the True ids (token healing, `jaxspec.serving.token_healing`).
     Every request is checked before the first wave runs. After an exception (a
     KeyboardInterrupt included) the engine stays usable: its pages are returned and a cache
     whose buffers were donated to the interrupted step is rebuilt.
     """
-    prompts = self._check_requests(prompts, max_new_tokens, sampling, seed, stop_token_ids)
+    prompts, masks = self._check_requests(
+      prompts, max_new_tokens, sampling, seed, stop_token_ids, first_token_masks
+    )
     stop = set(self.model.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
     key = jax.random.key(seed)
     outputs, waves = [], []
@@ -328,10 +336,16 @@ class Generator:
     )
     try:
       for wave_start in range(0, len(prompts), self.config.max_batch_size):
-        wave_prompts = prompts[wave_start : wave_start + self.config.max_batch_size]
+        wave_end = wave_start + self.config.max_batch_size
         key, wave_key = jax.random.split(key)
         tokens, stats = self._generate_wave(
-          wave_prompts, max_new_tokens, sampling, wave_key, stop, bar
+          prompts[wave_start:wave_end],
+          masks[wave_start:wave_end],
+          max_new_tokens,
+          sampling,
+          wave_key,
+          stop,
+          bar,
         )
         outputs.extend(tokens)
         waves.append(stats)
@@ -351,8 +365,11 @@ class Generator:
   # ------------------------------------------------------------------------------------------------
   # Requests.
 
-  def _check_requests(self, prompts, max_new_tokens, sampling, seed, stop_token_ids):
-    """Checks every request before any device work; returns the prompts as lists of ints."""
+  def _check_requests(
+    self, prompts, max_new_tokens, sampling, seed, stop_token_ids, first_token_masks
+  ):
+    """Checks every request before any device work; returns the prompts as lists of ints and
+    the first-token masks as bool numpy arrays or None, one per prompt."""
     cfg, model_config = self.config, self.model.config
     if not is_int(max_new_tokens) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -389,6 +406,7 @@ class Generator:
           f"model's max_position_embeddings ({model_config.max_position_embeddings})"
         )
       checked.append(prompt)
+    masks = self._check_first_token_masks(first_token_masks, len(checked))
     for wave_start in range(0, len(checked), cfg.max_batch_size):
       wave = checked[wave_start : wave_start + cfg.max_batch_size]
       needed = sum(self._pages_for(p, max_new_tokens) for p in wave)
@@ -397,6 +415,37 @@ class Generator:
           f"requests {wave_start}..{wave_start + len(wave) - 1} run together and need {needed} "
           f"pages, but the cache has {self.allocator.num_pages} (EngineConfig.num_pages)"
         )
+    return checked, masks
+
+  def _check_first_token_masks(self, first_token_masks, num_prompts: int) -> list:
+    """`first_token_masks` as a list of bool [vocab_size] numpy arrays or None per prompt."""
+    if first_token_masks is None:
+      return [None] * num_prompts
+    if isinstance(first_token_masks, (str, bytes)) or not isinstance(
+      first_token_masks, (Sequence, np.ndarray)
+    ):
+      raise ValueError(
+        f"first_token_masks must be a sequence of bool arrays or None, one per prompt, got "
+        f"{type(first_token_masks).__name__}"
+      )
+    if len(first_token_masks) != num_prompts:
+      raise ValueError(
+        f"first_token_masks must have one entry per prompt ({num_prompts}), got "
+        f"{len(first_token_masks)}"
+      )
+    vocab = self.model.config.vocab_size
+    checked = []
+    for i, mask in enumerate(first_token_masks):
+      if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_ or mask.shape != (vocab,):
+          raise ValueError(
+            f"first_token_masks[{i}] must be a bool array of shape ({vocab},) (the vocabulary) "
+            f"or None, got {mask.dtype} {mask.shape}"
+          )
+        if not mask.any():
+          raise ValueError(f"first_token_masks[{i}] allows no token")
+      checked.append(mask)
     return checked
 
   def _pages_for(self, prompt, max_new_tokens: int) -> int:
@@ -405,9 +454,16 @@ class Generator:
   # ------------------------------------------------------------------------------------------------
   # The loop.
 
-  def _generate_wave(self, prompts, max_new_tokens, sampling, key, stop, bar):
+  def _generate_wave(self, prompts, masks, max_new_tokens, sampling, key, stop, bar):
     cfg = self.config
     batch = bucket(len(prompts))
+    first_token_mask = None
+    if any(mask is not None for mask in masks):
+      # Padding slots and unconstrained requests allow every token.
+      first_token_mask = np.ones((batch, self.model.config.vocab_size), bool)  # [B, V]
+      for b, mask in enumerate(masks):
+        if mask is not None:
+          first_token_mask[b] = mask
     prompt_bucket = min(bucket(max(map(len, prompts)), cfg.min_prompt_bucket), cfg.max_seq_len)
     input_ids = np.zeros((batch, prompt_bucket), np.int32)
     prompt_lens = np.zeros((batch,), np.int32)
@@ -428,6 +484,7 @@ class Generator:
         done=np.arange(batch) >= len(prompts),
         sampling=sampling,
         key=key,
+        first_token_mask=first_token_mask,
       )
       return self._run_wave(wave, len(prompts), max_new_tokens, stop, bar)
     finally:
@@ -444,6 +501,7 @@ class Generator:
       jnp.asarray(wave.prompt_lens),
       wave.block_tables,
       wave.next_key(),
+      wave.first_token_mask,  # a host array goes in with the call; None: the unmasked program
       sampling=wave.sampling,
       kernels=self.config.kernels,
     )

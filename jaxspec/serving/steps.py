@@ -83,11 +83,16 @@ def prefill_step(
   prompt_lens: jax.Array,  # int32 [B], 0 = padding request
   block_tables: jax.Array,  # int32 [B, max_pages]
   key: jax.Array,  # typed PRNG key, or its uint32 key data
+  first_token_mask: jax.Array | None = None,  # bool [B, V]; None: every token allowed
   *,
   sampling: SamplingParams,
   kernels: KernelChoices,
 ):
   """Runs the prompts, fills the target's cache, samples each request's first new token.
+
+  `first_token_mask` restricts the first token to the allowed ids (token healing): the others'
+  logits become -inf before sampling, so greedy takes the argmax over the allowed ids and sampling
+  renormalises over them. None (a pytree without leaves) traces the unmasked program.
 
   Returns (next_tokens int32 [B], hidden [B, T, H] after the final norm, cache).
   """
@@ -96,7 +101,10 @@ def prefill_step(
   hidden, cache = model.forward(input_ids, step, cache)
   last = jnp.clip(prompt_lens - 1, 0, input_ids.shape[1] - 1)
   last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, H]
-  next_tokens = sample(model.logits(last_hidden), key, sampling)
+  logits = model.logits(last_hidden)  # [B, V]
+  if first_token_mask is not None:
+    logits = jnp.where(first_token_mask, logits, -jnp.inf)
+  next_tokens = sample(logits, key, sampling)
   return next_tokens, hidden, cache
 
 
