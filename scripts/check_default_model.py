@@ -14,9 +14,10 @@ Measures, for MODEL_DIR (default: the embedded model):
   probability of a repeated held-out span's tokens at each occurrence, after 256 tokens of
   held-out text; reported, no target);
 - greedy continuations of the six demo prompts (`jaxspec.training.demos.DEMO_PROMPTS`), 96 new
-  tokens: no line more than twice, and more than half parse with `ast.parse` when cut at the last
-  complete line. With `--sample-temperature T` the same prompts are also sampled (top-p 0.95,
-  fixed seed) and reported the same way, to compare with greedy.
+  tokens, token healing on as in `generate`: no line more than twice, and more than half parse
+  with `ast.parse` when cut at the last complete line. With `--sample-temperature T` the same
+  prompts are also sampled (top-p 0.95, fixed seed) and reported the same way, to compare with
+  greedy.
 
 Prints the continuations, a table with each target and PASS / FAIL, and one JSON object (also
 written to --json-out).
@@ -38,6 +39,7 @@ from jaxspec.evaluation import EvalConfig, evaluate
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
+from jaxspec.serving.token_healing import continuation_text, heal_prompt
 from jaxspec.tokenizer import load_tokenizer
 from jaxspec.training import corpus, repetition, trainer
 from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
@@ -80,13 +82,25 @@ def held_out_cross_entropy(model, held_out_files, stream, seq_len: int) -> dict:
 
 
 def demo_continuations(model, tokenizer, sampling: SamplingParams, seed: int = 0) -> dict:
+  """The demo prompts continued as `python -m jaxspec generate` continues them (token healing
+  on), scored by `demo_quality`."""
   prompts = [tokenizer.encode(p) for p in DEMO_PROMPTS]
+  healed = [heal_prompt(tokenizer, p, model.config.vocab_size) for p in prompts]
   engine = Generator(
     model,
     EngineConfig(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + DEMO_NEW_TOKENS),
   )
-  out = engine.generate(prompts, max_new_tokens=DEMO_NEW_TOKENS, sampling=sampling, seed=seed)
-  texts = [tokenizer.decode(tokens) for tokens in out.tokens]
+  out = engine.generate(
+    [ids for ids, _ in healed],
+    max_new_tokens=DEMO_NEW_TOKENS,
+    sampling=sampling,
+    seed=seed,
+    first_token_masks=[mask for _, mask in healed],
+  )
+  texts = [
+    continuation_text(tokenizer, p, ids, tokens)
+    for p, (ids, _), tokens in zip(prompts, healed, out.tokens, strict=True)
+  ]
   return demo_quality(list(zip(DEMO_PROMPTS, texts, strict=True)))
 
 
