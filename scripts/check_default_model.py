@@ -10,9 +10,10 @@ Measures, for MODEL_DIR (default: the embedded model):
 - k = 3 greedy speculative decoding on held-out prompts (`jaxspec.evaluation.evaluate`, the
   machinery of `python -m jaxspec evaluate`): first-position acceptance >= 0.7 and tokens per
   verify step >= 3.0;
-- how strongly the model reinforces a repetition (`repetition.repetition_probabilities`: the
-  probability of a repeated held-out span's tokens at each occurrence, after 256 tokens of
-  held-out text; reported, no target);
+- how strongly the model reinforces a repetition (`repetition.repetition_profile`: the mean
+  probability of a repeated held-out span's tokens at each occurrence after 256 tokens of
+  held-out text, and the share of them that are the model's argmax, for spans of 12 tokens (a
+  line) and 48 (a short function); reported, no target);
 - greedy continuations of the six demo prompts (`jaxspec.training.demos.DEMO_PROMPTS`), 96 new
   tokens, token healing on as in `generate`: no line more than twice, and more than half parse
   with `ast.parse` when cut at the last complete line. With `--sample-temperature T` the same
@@ -46,6 +47,7 @@ from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
 DEMO_NEW_TOKENS = 96
 SAMPLE_TOP_P = 0.95
+REPEATED_SPANS = ((12, 10), (48, 4))  # (span tokens, occurrences): a line, a short function
 TARGETS = {  # name: (threshold, "max" | "min")
   "held_out_ce": (2.3, "max"),
   "first_position_acceptance_k3": (0.7, "min"),
@@ -137,7 +139,12 @@ def main(argv=None) -> int:
     EvalConfig(spec_tokens=(3,), temperatures=(0.0,)),
     progress=False,
   )
-  repeat_probability = repetition.repetition_probabilities(model, stream, KernelChoices())
+  repeats = {
+    f"span_{span}": repetition.repetition_profile(
+      model, stream, KernelChoices(), span=span, repeats=count
+    )
+    for span, count in REPEATED_SPANS
+  }
   greedy = demo_continuations(bf16_model, tokenizer, SamplingParams())
   _print_samples("greedy demos (96 new tokens)", greedy)
   result = {
@@ -145,7 +152,7 @@ def main(argv=None) -> int:
     "held_out": held_out,
     "k3_greedy": row,
     "greedy_demos": greedy,
-    "repeat_probability_by_occurrence": repeat_probability,
+    "repeated_span_by_occurrence": repeats,
     "measured": {
       "held_out_ce": held_out["ce"],
       "first_position_acceptance_k3": row["per_position_acceptance"][0],
@@ -174,12 +181,15 @@ def main(argv=None) -> int:
     f"{held_out['bits_per_byte']:.3f} bits/byte, {held_out['bytes_per_token']:.2f} bytes/token; "
     f"k=3 per position {' / '.join(f'{a:.2f}' for a in row['per_position_acceptance'])})"
   )
-  lines.append(
-    "(a held-out 12-token span repeated after 256 tokens of its text: mean probability of its "
-    "tokens at occurrences 2..10 "
-    + " / ".join(f"{p:.2f}" for p in repeat_probability)
-    + "; rising towards 1 is what traps greedy decoding in loops)"
-  )
+  for (span, count), profile in zip(REPEATED_SPANS, repeats.values(), strict=True):
+    lines.append(
+      f"(a held-out {span}-token span repeated after 256 tokens of its text, occurrences "
+      f"2..{count}: mean probability of its tokens "
+      + " / ".join(f"{p:.2f}" for p in profile["probability"])
+      + ", share that is the argmax "
+      + " / ".join(f"{p:.2f}" for p in profile["argmax"])
+      + "; greedy decoding repeats what is the argmax)"
+    )
   if "sampled_demos" in result:
     sampled = result["sampled_demos"]
     lines.append(

@@ -76,7 +76,7 @@ def self_reinforcement_loss(
   return jnp.sum(jnp.where(counted, -jnp.log(gap), 0.0)) / jnp.maximum(jnp.sum(counted), 1)
 
 
-def repetition_probabilities(
+def repetition_profile(
   model,
   stream,
   kernels,
@@ -86,15 +86,17 @@ def repetition_probabilities(
   prefix: int = 256,
   rows: int = 64,
   seed: int = 0,
-) -> list[float]:
+) -> dict[str, list[float]]:
   """How much a model reinforces a repetition in its context (DITTO's diagnostic).
 
   `rows` places in `stream` (int [N], held-out text) each give `prefix` tokens of text and the
-  `span` tokens that follow them, repeated `repeats` times; returns, for occurrences
-  2..`repeats`, the mean probability the model gives each token of the span given everything
-  before it (float32). A model that rises towards 1 with the occurrence count is one that greedy
-  decoding traps in loops. The prefix keeps the measure honest: a loop in generation follows
-  real code, and a model can learn to break only the loops that start its context.
+  `span` tokens that follow them, repeated `repeats` times. Returns, for occurrences
+  2..`repeats` of the span: "probability", the mean probability the model gives each of its
+  tokens given everything before it, and "argmax", the share of its tokens that are the model's
+  most likely next token (float32). A model whose probability rises with the occurrence count
+  reinforces loops (DITTO's measure); greedy decoding repeats what is the argmax, and a model can
+  lower the first while keeping the second. The prefix keeps both honest: a loop in generation
+  follows real code, and a model can learn to break only the loops that start its context.
   """
   rng = np.random.default_rng(seed)
   stream = np.asarray(stream)
@@ -108,12 +110,16 @@ def repetition_probabilities(
   ids = jnp.asarray(windows[:, :-1], jnp.int32)
 
   @jax.jit
-  def probabilities(ids, targets):
+  def score(ids, targets):
     hidden, _ = model.forward(ids, StepMetadata.plain(ids, kernels))
-    return _target_probabilities(model.logits(hidden), targets)
+    logits = model.logits(hidden)
+    return _target_probabilities(logits, targets), jnp.argmax(logits, axis=-1) == targets
 
-  p = np.asarray(probabilities(ids, jnp.asarray(windows[:, 1:], jnp.int32)))
+  p, hit = map(np.asarray, score(ids, jnp.asarray(windows[:, 1:], jnp.int32)))  # [rows, T] each
   # Row t predicts token t + 1: occurrence k (1-based) holds tokens [prefix + (k - 1) span,
   # prefix + k span).
   first = [prefix + (k - 1) * span - 1 for k in range(2, repeats + 1)]
-  return [float(p[:, row : row + span].mean()) for row in first]
+  return {
+    "probability": [float(p[:, row : row + span].mean()) for row in first],
+    "argmax": [float(hit[:, row : row + span].mean()) for row in first],
+  }

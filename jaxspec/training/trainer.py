@@ -693,11 +693,11 @@ def train(
     **{f"held_out_{k}": v for k, v in final.items() if k != "step"},
     "demo_max_line_repeats": demos["max_line_repeats"],
     "demo_parse_rate": demos["parse_rate"],
-    # Occurrences 2, 3, ... of a repeated held-out span: how strongly the model copies a loop.
-    "held_out_repeat_probability": repetition.repetition_probabilities(
-      model, held_out_stream, KernelChoices()
-    ),
   }
+  # Occurrences 2, 3, ... of a repeated held-out span: how strongly the model copies a loop.
+  repeats = repetition.repetition_profile(model, held_out_stream, KernelChoices())
+  log["final"]["held_out_repeat_probability"] = repeats["probability"]
+  log["final"]["held_out_repeat_argmax"] = repeats["argmax"]
   log["samples"] = demos["samples"]
   with staging.staged_directory(output_dir, overwrite) as directory:
     save_pretrained(model, directory, dtype=jnp.bfloat16)

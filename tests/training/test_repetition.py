@@ -133,22 +133,33 @@ class _FakeModel:
     return hidden
 
 
-def test_repetition_probabilities_reads_occurrences_two_to_the_last():
+def test_repetition_profile_reads_occurrences_two_to_the_last():
   stream = np.random.default_rng(7).integers(0, 20, 400)
   kernels = trainer.training_kernels("cpu")
-  uniform = repetition.repetition_probabilities(_FakeModel(20, 0), stream, kernels, repeats=5)
-  np.testing.assert_allclose(uniform, [1 / 20] * 4, rtol=1e-5)
+  uniform = repetition.repetition_profile(_FakeModel(20, 0), stream, kernels, repeats=5)
+  np.testing.assert_allclose(uniform["probability"], [1 / 20] * 4, rtol=1e-5)
   # A copier of 12-token spans predicts every token from the second occurrence on, and none of
   # the first: a slice reaching back into the first occurrence would pull the first value below 1.
-  copier = repetition.repetition_probabilities(_FakeModel(20, 12), stream, kernels, span=12)
-  assert len(copier) == 9 and min(copier) > 0.999
+  copier = repetition.repetition_profile(_FakeModel(20, 12), stream, kernels, span=12)
+  assert len(copier["probability"]) == len(copier["argmax"]) == 9
+  assert min(copier["probability"]) > 0.999 and min(copier["argmax"]) == 1.0
 
 
-def test_repetition_probabilities_sees_through_a_model_that_breaks_only_loops_from_the_start():
+def test_the_argmax_share_counts_the_tokens_greedy_decoding_would_repeat():
+  """Uniform logits put the argmax on token 0: the share is the span tokens equal to 0."""
+  stream = np.random.default_rng(9).integers(0, 4, 400)
+  kernels = trainer.training_kernels("cpu")
+  profile = repetition.repetition_profile(_FakeModel(4, 0), stream, kernels, span=12, rows=256)
+  np.testing.assert_allclose(profile["probability"], [1 / 4] * 9, rtol=1e-5)
+  # Every occurrence of a span holds the same tokens, so the share is one value, near 1/4.
+  assert len(set(profile["argmax"])) == 1 and 0.2 < profile["argmax"][0] < 0.3
+
+
+def test_repetition_profile_sees_through_a_model_that_breaks_only_loops_from_the_start():
   stream = np.random.default_rng(8).integers(0, 20, 400)
   kernels = trainer.training_kernels("cpu")
   model = _FakeModel(20, 12, shortcut=True)
-  after_text = repetition.repetition_probabilities(model, stream, kernels, span=12)
-  from_start = repetition.repetition_probabilities(model, stream, kernels, span=12, prefix=0)
-  assert min(after_text) > 0.999
-  np.testing.assert_allclose(from_start, [1 / 20] * 9, rtol=1e-5)
+  after_text = repetition.repetition_profile(model, stream, kernels, span=12)
+  from_start = repetition.repetition_profile(model, stream, kernels, span=12, prefix=0)
+  assert min(after_text["probability"]) > 0.999 and min(after_text["argmax"]) == 1.0
+  np.testing.assert_allclose(from_start["probability"], [1 / 20] * 9, rtol=1e-5)

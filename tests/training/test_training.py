@@ -81,6 +81,8 @@ def test_smoke_run_honours_its_flags_and_lowers_train_and_held_out_losses(smoke_
   assert len(log["samples"]) == 6 and 0.0 <= log["final"]["demo_parse_rate"] <= 1.0
   repeat_probability = log["final"]["held_out_repeat_probability"]
   assert len(repeat_probability) == 9 and all(0.0 < p < 1.0 for p in repeat_probability)
+  repeat_argmax = log["final"]["held_out_repeat_argmax"]
+  assert len(repeat_argmax) == 9 and all(0.0 <= p <= 1.0 for p in repeat_argmax)
 
 
 def test_overwrite_replaces_the_whole_directory_and_leaves_no_temporary(smoke_run):
