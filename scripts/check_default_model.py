@@ -47,7 +47,6 @@ from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
 
 DEMO_NEW_TOKENS = 96
 SAMPLE_TOP_P = 0.95
-REPEATED_SPANS = ((12, 10), (48, 4))  # (span tokens, occurrences): a line, a short function
 TARGETS = {  # name: (threshold, "max" | "min")
   "held_out_ce": (2.3, "max"),
   "first_position_acceptance_k3": (0.7, "min"),
@@ -139,12 +138,7 @@ def main(argv=None) -> int:
     EvalConfig(spec_tokens=(3,), temperatures=(0.0,)),
     progress=False,
   )
-  repeats = {
-    f"span_{span}": repetition.repetition_profile(
-      model, stream, KernelChoices(), span=span, repeats=count
-    )
-    for span, count in REPEATED_SPANS
-  }
+  repeats = repetition.repetition_profiles(model, stream, KernelChoices())
   greedy = demo_continuations(bf16_model, tokenizer, SamplingParams())
   _print_samples("greedy demos (96 new tokens)", greedy)
   result = {
@@ -181,7 +175,7 @@ def main(argv=None) -> int:
     f"{held_out['bits_per_byte']:.3f} bits/byte, {held_out['bytes_per_token']:.2f} bytes/token; "
     f"k=3 per position {' / '.join(f'{a:.2f}' for a in row['per_position_acceptance'])})"
   )
-  for (span, count), profile in zip(REPEATED_SPANS, repeats.values(), strict=True):
+  for (span, count), profile in zip(repetition.DIAGNOSTIC_SPANS, repeats.values(), strict=True):
     lines.append(
       f"(a held-out {span}-token span repeated after 256 tokens of its text, occurrences "
       f"2..{count}: mean probability of its tokens "

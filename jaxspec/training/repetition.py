@@ -76,6 +76,19 @@ def self_reinforcement_loss(
   return jnp.sum(jnp.where(counted, -jnp.log(gap), 0.0)) / jnp.maximum(jnp.sum(counted), 1)
 
 
+# (span tokens, occurrences) the diagnostic reports: a line, and a short function (greedy
+# decoding of a small model writes whole functions twice).
+DIAGNOSTIC_SPANS = ((12, 10), (48, 4))
+
+
+def repetition_profiles(model, stream, kernels) -> dict[str, dict[str, list[float]]]:
+  """`repetition_profile` at each of `DIAGNOSTIC_SPANS`, keyed "span_<tokens>"."""
+  return {
+    f"span_{span}": repetition_profile(model, stream, kernels, span=span, repeats=count)
+    for span, count in DIAGNOSTIC_SPANS
+  }
+
+
 def repetition_profile(
   model,
   stream,

@@ -694,10 +694,10 @@ def train(
     "demo_max_line_repeats": demos["max_line_repeats"],
     "demo_parse_rate": demos["parse_rate"],
   }
-  # Occurrences 2, 3, ... of a repeated held-out span: how strongly the model copies a loop.
-  repeats = repetition.repetition_profile(model, held_out_stream, KernelChoices())
-  log["final"]["held_out_repeat_probability"] = repeats["probability"]
-  log["final"]["held_out_repeat_argmax"] = repeats["argmax"]
+  # Occurrences 2, 3, ... of repeated held-out spans: how strongly the model copies a loop.
+  log["final"]["held_out_repeats"] = repetition.repetition_profiles(
+    model, held_out_stream, KernelChoices()
+  )
   log["samples"] = demos["samples"]
   with staging.staged_directory(output_dir, overwrite) as directory:
     save_pretrained(model, directory, dtype=jnp.bfloat16)

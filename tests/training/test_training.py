@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxspec
 from jaxspec.tokenizer import load_tokenizer
-from jaxspec.training import cli, corpus, trainer
+from jaxspec.training import cli, corpus, repetition, trainer
 
 # A flag that differs from the smoke defaults (and leaves the losses as they were): the run
 # must honour it.
@@ -79,10 +79,12 @@ def test_smoke_run_honours_its_flags_and_lowers_train_and_held_out_losses(smoke_
     evals[-1]["lm_loss"] / bytes_per_token / np.log(2)
   )
   assert len(log["samples"]) == 6 and 0.0 <= log["final"]["demo_parse_rate"] <= 1.0
-  repeat_probability = log["final"]["held_out_repeat_probability"]
-  assert len(repeat_probability) == 9 and all(0.0 < p < 1.0 for p in repeat_probability)
-  repeat_argmax = log["final"]["held_out_repeat_argmax"]
-  assert len(repeat_argmax) == 9 and all(0.0 <= p <= 1.0 for p in repeat_argmax)
+  repeats = log["final"]["held_out_repeats"]
+  assert list(repeats) == ["span_12", "span_48"]
+  for profile, (_, count) in zip(repeats.values(), repetition.DIAGNOSTIC_SPANS, strict=True):
+    assert len(profile["probability"]) == len(profile["argmax"]) == count - 1
+    assert all(0.0 < p < 1.0 for p in profile["probability"])
+    assert all(0.0 <= p <= 1.0 for p in profile["argmax"])
 
 
 def test_overwrite_replaces_the_whole_directory_and_leaves_no_temporary(smoke_run):
