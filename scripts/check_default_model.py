@@ -40,12 +40,10 @@ from jaxspec.evaluation import EvalConfig, evaluate
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
-from jaxspec.serving.token_healing import continuation_text, heal_prompt
 from jaxspec.tokenizer import load_tokenizer
 from jaxspec.training import corpus, repetition, trainer
-from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
+from jaxspec.training.demos import DEMO_NEW_TOKENS, healed_demo_quality
 
-DEMO_NEW_TOKENS = 96
 SAMPLE_TOP_P = 0.95
 TARGETS = {  # name: (threshold, "max" | "min")
   "held_out_ce": (2.3, "max"),
@@ -85,24 +83,20 @@ def held_out_cross_entropy(model, held_out_files, stream, seq_len: int) -> dict:
 def demo_continuations(model, tokenizer, sampling: SamplingParams, seed: int = 0) -> dict:
   """The demo prompts continued as `python -m jaxspec generate` continues them (token healing
   on), scored by `demo_quality`."""
-  prompts = [tokenizer.encode(p) for p in DEMO_PROMPTS]
-  healed = [heal_prompt(tokenizer, p, model.config.vocab_size) for p in prompts]
-  engine = Generator(
-    model,
-    EngineConfig(max_batch_size=len(prompts), max_seq_len=max(map(len, prompts)) + DEMO_NEW_TOKENS),
-  )
-  out = engine.generate(
-    [ids for ids, _ in healed],
-    max_new_tokens=DEMO_NEW_TOKENS,
-    sampling=sampling,
-    seed=seed,
-    first_token_masks=[mask for _, mask in healed],
-  )
-  texts = [
-    continuation_text(tokenizer, p, ids, tokens)
-    for p, (ids, _), tokens in zip(prompts, healed, out.tokens, strict=True)
-  ]
-  return demo_quality(list(zip(DEMO_PROMPTS, texts, strict=True)))
+
+  def continue_prompts(ids, first_token_masks):
+    max_seq_len = max(map(len, ids)) + DEMO_NEW_TOKENS
+    engine = Generator(model, EngineConfig(max_batch_size=len(ids), max_seq_len=max_seq_len))
+    out = engine.generate(
+      ids,
+      max_new_tokens=DEMO_NEW_TOKENS,
+      sampling=sampling,
+      seed=seed,
+      first_token_masks=first_token_masks,
+    )
+    return out.tokens
+
+  return healed_demo_quality(tokenizer, model.config.vocab_size, continue_prompts)
 
 
 def _print_samples(title: str, report: dict) -> None:

@@ -8,6 +8,12 @@ Python than not); the trainer logs them and `scripts/check_default_model.py` rep
 
 import ast
 import collections
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxspec.serving.token_healing import continuation_text, heal_prompt
+from jaxspec.tokenizer import HfTokenizer
 
 # The README's prompt and five more: functions, classes and docstrings.
 DEMO_PROMPTS = (
@@ -18,6 +24,8 @@ DEMO_PROMPTS = (
   "import os\n\n\ndef list_python_files(root):",
   'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):',
 )
+
+DEMO_NEW_TOKENS = 96  # tokens per continuation (issue 16's bar)
 
 
 def max_line_repeats(text: str) -> tuple[int, str]:
@@ -67,3 +75,22 @@ def demo_quality(samples: list[tuple[str, str]]) -> dict:
     "max_line_repeats": max((r["max_line_repeats"] for r in rows), default=0),
     "parse_rate": sum(r["parses"] for r in rows) / max(1, len(rows)),
   }
+
+
+def healed_demo_quality(
+  tokenizer: HfTokenizer,
+  vocab_size: int,
+  continue_prompts: Callable[[list[list[int]], list[np.ndarray | None]], list[list[int]]],
+) -> dict:
+  """`demo_quality` of the demo prompts continued as `python -m jaxspec generate` continues them:
+  each prompt healed (`token_healing.heal_prompt`), `continue_prompts(ids, first_token_masks)`
+  returning the new tokens of each, and the text read after the prompt."""
+  prompts = [tokenizer.encode(p) for p in DEMO_PROMPTS]
+  healed = [heal_prompt(tokenizer, p, vocab_size) for p in prompts]
+  ids = [i for i, _ in healed]
+  continuations = continue_prompts(ids, [mask for _, mask in healed])
+  texts = [
+    continuation_text(tokenizer, p, i, c)
+    for p, i, c in zip(prompts, ids, continuations, strict=True)
+  ]
+  return demo_quality(list(zip(DEMO_PROMPTS, texts, strict=True)))

@@ -39,10 +39,9 @@ from jaxspec.model.config import GlmConfig
 from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import save_pretrained
-from jaxspec.serving.token_healing import continuation_text, heal_prompt
 from jaxspec.tokenizer import HfTokenizer
 from jaxspec.training import bpe, corpus, repetition, staging
-from jaxspec.training.demos import DEMO_PROMPTS, demo_quality
+from jaxspec.training.demos import DEMO_NEW_TOKENS, healed_demo_quality
 
 
 def training_kernels(backend: str) -> KernelChoices:
@@ -190,7 +189,6 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
   return config.learning_rate * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
 
-DEMO_NEW_TOKENS = 96  # greedy tokens per demo prompt in the log (issue 16's bar)
 # Seconds a time-budgeted run keeps for its end: demo samples (one compile, 6 x 96 forwards),
 # saving, the plot.
 TAIL_RESERVE_S = 20.0
@@ -674,18 +672,11 @@ def train(
   final = run_eval(total_steps)
 
   model = trainer.model()
-  # Healed as `python -m jaxspec generate` heals them, so the numbers describe what it shows.
-  text_tokenizer = HfTokenizer(tokenizer)
-  prompts = [text_tokenizer.encode(p) for p in DEMO_PROMPTS]
-  healed = [heal_prompt(text_tokenizer, p, model_config.vocab_size) for p in prompts]
-  continuations = greedy_continuations(
-    model, [ids for ids, _ in healed], [mask for _, mask in healed], DEMO_NEW_TOKENS
+  demos = healed_demo_quality(
+    HfTokenizer(tokenizer),
+    model_config.vocab_size,
+    lambda ids, masks: greedy_continuations(model, ids, masks, DEMO_NEW_TOKENS),
   )
-  texts = [
-    continuation_text(text_tokenizer, p, ids, c)
-    for p, (ids, _), c in zip(prompts, healed, continuations, strict=True)
-  ]
-  demos = demo_quality(list(zip(DEMO_PROMPTS, texts, strict=True)))
   log["final"] = {
     "steps": total_steps,
     "train_lm_loss": log["history"][-1]["lm_loss"],

@@ -24,3 +24,29 @@ def test_demo_quality_sums_up_the_samples():
   report = demo_quality([("def f():", "\n    return 1\n"), ("def g():", "\n    if x:\n")])
   assert report["parse_rate"] == 0.5 and report["max_line_repeats"] == 1
   assert [s["parses"] for s in report["samples"]] == [True, False]
+
+
+def test_healed_demos_continue_the_healed_prompts_and_score_the_text_after_the_prompt():
+  from jaxspec.__main__ import DEFAULT_MODEL
+  from jaxspec.tokenizer import load_tokenizer
+  from jaxspec.training.demos import DEMO_PROMPTS, healed_demo_quality
+
+  tokenizer = load_tokenizer(DEFAULT_MODEL)
+  (indent,) = tokenizer.encode("\n    ")
+  seen = {}
+
+  def continue_prompts(ids, masks):
+    seen.update(ids=ids, masks=masks)
+    # A prompt healed from its newline goes on with the newline-and-indent token.
+    return [[indent, *tokenizer.encode("return 1\n")] if m is not None else [] for m in masks]
+
+  report = healed_demo_quality(tokenizer, tokenizer.vocab_size, continue_prompts)
+  for prompt, ids, mask, sample in zip(
+    DEMO_PROMPTS, seen["ids"], seen["masks"], report["samples"], strict=True
+  ):
+    full = tokenizer.encode(prompt)
+    if prompt.endswith("\n"):
+      assert ids == full[:-1] and mask[indent]
+      assert sample["continuation"] == "    return 1\n" and sample["parses"]
+    else:
+      assert ids == full and mask is None and sample["continuation"] == ""
