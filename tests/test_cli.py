@@ -183,6 +183,10 @@ BAD_ARGUMENTS = {
     ["train", "--output-dir", "x", "--smoke", "--warmup-steps", "40"],
     "warmup_steps (40) must be below steps (30)",
   ),
+  "train init from a missing checkpoint": (
+    ["train", "--output-dir", "x", "--init-from", "no_such_checkpoint"],
+    "no config.json",
+  ),
   "train missing corpus": (
     ["train", "--output-dir", "x", "--corpus", "/nonexistent.tar.gz"],
     "no such file",

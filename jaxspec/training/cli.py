@@ -15,7 +15,7 @@ import tokenizers
 
 from jaxspec import argtypes
 from jaxspec.training import staging
-from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, train
+from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, load_initial_checkpoint, train
 
 # A few seconds on a CPU: tiny model, 40 training files, 30 steps.
 SMOKE = TrainConfig(
@@ -56,11 +56,23 @@ _CONFIG_OPTIONS = {
     argtypes.float_in(0.0, 1.0),
     "DITTO's lambda: a repeated token's probability is pulled to lambda times the previous one's",
   ),
+  "unlikelihood_rows": (
+    argtypes.int_in(0),
+    "greedy continuations per step of the model's own, trained with sequence-level "
+    "unlikelihood on tokens that repeat an n-gram (arXiv:1908.04319); 0 = off",
+  ),
+  "unlikelihood_ngram": (argtypes.positive_int, "n-gram length (tokens) counted as a repeat"),
+  "unlikelihood_weight": (argtypes.float_in(0.0), "weight of the unlikelihood loss"),
   "eval_every": (argtypes.positive_int, "steps between held-out evaluations"),
   "seed": (argtypes.seed, f"0..{argtypes.MAX_SEED}"),
   "time_budget_s": (
     argtypes.float_in(0.0, low_open=True),
     "cut the step count to what fits in this many seconds (measured during warm-up)",
+  ),
+  "init_from": (
+    str,
+    "continue from this checkpoint of `train` (its parameters and tokenizer; fresh optimizer "
+    "state), e.g. a second phase with more repeated rows",
   ),
 }
 
@@ -135,6 +147,15 @@ def _check_inputs(args, config: TrainConfig) -> None:
       parser.error(f"--tokenizer {args.tokenizer}: {error}")
     if args.vocab_size is not None and args.vocab_size != vocab:
       parser.error(f"--vocab-size {args.vocab_size} differs from --tokenizer's {vocab} tokens")
+  if config.init_from is not None:
+    if args.tokenizer is not None:
+      parser.error("--init-from brings its checkpoint's tokenizer: leave out --tokenizer")
+    if not (Path(config.init_from) / "config.json").is_file():
+      parser.error(f"--init-from {config.init_from}: no config.json (not a checkpoint directory)")
+    try:
+      load_initial_checkpoint(config)  # a small model: loading it twice costs a second
+    except (ValueError, OSError) as error:
+      parser.error(f"--init-from: {error}")
 
 
 def run_train(args) -> int:

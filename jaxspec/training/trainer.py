@@ -38,9 +38,9 @@ from tqdm.auto import tqdm
 from jaxspec.model.config import GlmConfig
 from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
-from jaxspec.model.weights import save_pretrained
+from jaxspec.model.weights import load_pretrained, save_pretrained
 from jaxspec.tokenizer import HfTokenizer
-from jaxspec.training import bpe, corpus, repetition, staging
+from jaxspec.training import bpe, corpus, repetition, staging, unlikelihood
 from jaxspec.training.demos import DEMO_NEW_TOKENS, healed_demo_quality
 
 
@@ -140,6 +140,13 @@ class TrainConfig:
   # CE of 2.01; 32 in a shorter run did worse (CE 2.07, 10): benchmarks/train_default_model.sh.
   repetition_rows: int = 16
   repetition_lambda: float = 0.5
+  # Continuations per step decoded greedily from real prefixes by the model itself and trained
+  # with sequence-level unlikelihood on tokens that repeat an n-gram (`unlikelihood`); 0: off.
+  unlikelihood_rows: int = 0
+  unlikelihood_ngram: int = 8
+  unlikelihood_weight: float = 1.0
+  unlikelihood_prefix_tokens: int = 64
+  unlikelihood_new_tokens: int = 96
   eval_draft_depth: int = 3
   eval_every: int = 250
   eval_batch_size: int = 32
@@ -148,6 +155,9 @@ class TrainConfig:
   max_train_files: int | None = None
   seed: int = 0
   time_budget_s: float | None = None
+  # A checkpoint written by `train` to start from (its parameters, tokenizer and shape; the Adam
+  # moments start afresh): a second phase run after the first, e.g. one with more repeated rows.
+  init_from: str | None = None
 
   def __post_init__(self):
     if self.model_preset not in MODEL_PRESETS:
@@ -172,6 +182,12 @@ class TrainConfig:
         f"repetition_rows must be in [0, batch_size) = [0, {self.batch_size}), "
         f"got {self.repetition_rows}"
       )
+    for name in ("unlikelihood_rows", "unlikelihood_weight"):
+      if not getattr(self, name) >= 0:
+        raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+    for name in ("unlikelihood_ngram", "unlikelihood_prefix_tokens", "unlikelihood_new_tokens"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
     if not 0 <= self.repetition_lambda <= 1:
       raise ValueError(f"repetition_lambda must be in [0, 1], got {self.repetition_lambda}")
     if self.time_budget_s is not None and not self.time_budget_s > 0:
@@ -304,10 +320,24 @@ def _decay_mask(params):
 class Trainer:
   """Holds the split model state and the jitted train / eval steps."""
 
-  def __init__(self, model_config: GlmConfig, config: TrainConfig):
+  def __init__(
+    self, model_config: GlmConfig, config: TrainConfig, model=None, malformed_tokens=None
+  ):
+    """`model`: a float32 `GlmForCausalLM` of `model_config` to start from (default: freshly
+    initialised from `config.seed`). `malformed_tokens`: bool [V], the tokens that are not UTF-8
+    on their own (`unlikelihood.malformed_tokens`), penalised in the unlikelihood rollouts
+    (default: none)."""
     self.config = config
+    if malformed_tokens is None:
+      malformed_tokens = np.zeros(model_config.vocab_size, bool)
+    if np.shape(malformed_tokens) != (model_config.vocab_size,):
+      raise ValueError(f"malformed_tokens must be bool [{model_config.vocab_size}]")
+    self.malformed_tokens = jnp.asarray(malformed_tokens, bool)
     self.kernels = training_kernels(jax.default_backend())
-    model = GlmForCausalLM(model_config, dtype=jnp.float32, rngs=nnx.Rngs(config.seed))
+    if model is None:
+      model = GlmForCausalLM(model_config, dtype=jnp.float32, rngs=nnx.Rngs(config.seed))
+    elif model.config != model_config:
+      raise ValueError("the starting model's config differs from model_config")
     self.graphdef, self.params = nnx.split(model, nnx.Param)
     self.optimizer = optax.chain(
       optax.clip_by_global_norm(config.grad_clip),
@@ -325,11 +355,13 @@ class Trainer:
   def model(self) -> GlmForCausalLM:
     return nnx.merge(self.graphdef, self.params)
 
-  def _loss(self, params, windows, repeats):
+  def _loss(self, params, windows, repeats, rollouts):
     """`CE(next) + mtp_weight * mean_d CE(depth d)`, as DeepSeek-V3's `lambda / D * sum_d L_d`,
     over the plain windows; with `repetition_rows` R of B windows repeating a span (the last R
     rows; `repeats` = their (spans, prefixes), int32 [R] each, from
-    `repetition.repeated_windows`), `(1 - R / B) * that + (R / B) * DITTO's loss` over them."""
+    `repetition.repeated_windows`), `(1 - R / B) * that + (R / B) * DITTO's loss` over them; with
+    `rollouts` (int32 [U, P + N], the model's greedy continuations), plus `unlikelihood_weight`
+    times their unlikelihood loss."""
     cfg = self.config
     model = nnx.merge(self.graphdef, _compute_params(params))
     depth = cfg.mtp_depth
@@ -349,13 +381,29 @@ class Trainer:
       ]
     )
     loss = lm_loss + cfg.mtp_weight * jnp.mean(mtp_losses)
-    if not cfg.repetition_rows:
-      return loss, (loss, lm_loss, mtp_losses, None)
-    repeat_loss = repetition.self_reinforcement_loss(
-      logits[plain:], windows[plain:], *repeats, cfg.repetition_lambda
-    )
-    share = cfg.repetition_rows / cfg.batch_size
-    return (1 - share) * loss + share * repeat_loss, (loss, lm_loss, mtp_losses, repeat_loss)
+    extra = {}
+    total = loss
+    if cfg.repetition_rows:
+      extra["repetition_loss"] = repetition.self_reinforcement_loss(
+        logits[plain:], windows[plain:], *repeats, cfg.repetition_lambda
+      )
+      share = cfg.repetition_rows / cfg.batch_size
+      total = (1 - share) * total + share * extra["repetition_loss"]
+    if cfg.unlikelihood_rows:
+      start = cfg.unlikelihood_prefix_tokens
+      mask = unlikelihood.penalised_mask(
+        rollouts, start, cfg.unlikelihood_ngram, self.malformed_tokens
+      )
+      inputs = unlikelihood.padded(rollouts)  # [U, >= P + N]
+      hidden, _ = model.forward(inputs, StepMetadata.plain(inputs, self.kernels))
+      logits = model.logits(hidden[:, : rollouts.shape[1] - 1])  # [U, P + N - 1, V]
+      extra["unlikelihood_loss"] = unlikelihood.unlikelihood_loss(logits, rollouts, mask, start)
+      # The share of the model's own greedy tokens that the loss penalises, and of them the
+      # malformed ones.
+      extra["rollout_penalised_share"] = jnp.mean(mask[:, start:])
+      extra["rollout_malformed_share"] = jnp.mean(self.malformed_tokens[rollouts[:, start:]])
+      total = total + cfg.unlikelihood_weight * extra["unlikelihood_loss"]
+    return total, (loss, lm_loss, mtp_losses, extra)
 
   def _step(self, params, opt_state, stream, key, lr):
     """One AdamW update on `batch_size` windows sampled from the on-device stream (the last
@@ -372,8 +420,20 @@ class Trainer:
       )
       repeats = (spans, prefixes)
       windows = jnp.concatenate([windows, repeated])  # [B, T + 1 + depth]
-    grads, (loss, lm_loss, mtp_losses, repeat_loss) = jax.grad(self._loss, has_aux=True)(
-      params, windows, repeats
+    rollouts = None
+    if cfg.unlikelihood_rows:
+      prefix = cfg.unlikelihood_prefix_tokens
+      starts = jax.random.randint(
+        jax.random.fold_in(key, 2), (cfg.unlikelihood_rows,), 0, stream.shape[0] - prefix + 1
+      )
+      rollouts = unlikelihood.greedy_rollouts(  # [U, P + N]
+        nnx.merge(self.graphdef, _compute_params(params)),
+        stream[starts[:, None] + jnp.arange(prefix)],
+        cfg.unlikelihood_new_tokens,
+        self.kernels,
+      )
+    grads, (loss, lm_loss, mtp_losses, extra) = jax.grad(self._loss, has_aux=True)(
+      params, windows, repeats, rollouts
     )
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
     params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
@@ -383,9 +443,7 @@ class Trainer:
       "mtp_loss": mtp_losses[0],
       "grad_norm": optax.tree.norm(grads),
     } | {f"mtp_loss_depth{d + 1}": mtp_losses[d] for d in range(1, cfg.mtp_depth)}
-    if repeat_loss is not None:
-      metrics["repetition_loss"] = repeat_loss
-    return params, opt_state, metrics
+    return params, opt_state, metrics | extra
 
   def _eval(self, params, windows, weights):
     """Per-window means summed over a batch of held-out windows; `weights` [B] is 0 for padding.
@@ -562,6 +620,26 @@ def _describe_corpus(source: Path | None, train_files, held_out_files, train_tok
   }
 
 
+def load_initial_checkpoint(config: TrainConfig):
+  """`config.init_from`'s tokenizer and float32 model, checked against the run's preset and
+  vocabulary (a mismatch is a `ValueError` naming both, not a silently different model)."""
+  import tokenizers
+
+  path = Path(config.init_from)
+  if not (path / "tokenizer.json").is_file():
+    raise ValueError(f"init_from {path}: no tokenizer.json (not a checkpoint written by train)")
+  tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+  model = load_pretrained(path, dtype=jnp.float32)
+  expected = MODEL_PRESETS[config.model_preset](tokenizer.get_vocab_size())
+  if model.config != expected or config.vocab_size != tokenizer.get_vocab_size():
+    raise ValueError(
+      f"init_from {path}: a {model.config.vocab_size}-token model of hidden size "
+      f"{model.config.hidden_size}, not the {config.model_preset!r} preset at vocab_size "
+      f"{config.vocab_size}"
+    )
+  return tokenizer, model
+
+
 def train(
   config: TrainConfig,
   output_dir: str | Path,
@@ -574,7 +652,9 @@ def train(
   """Trains the tokenizer (unless one is given), the model and its MTP head; writes the checkpoint.
 
   `corpus_source`: a corpus archive (`scripts/build_corpus.py`) or a standard library folder;
-  default: the running interpreter's standard library. Writes `config.json`, bf16
+  default: the running interpreter's standard library. With `config.init_from`, training
+  continues from that checkpoint's parameters with its tokenizer (`tokenizer_path` must then be
+  None). Writes `config.json`, bf16
   `model.safetensors`, `tokenizer.json`, `training_log.json` and `loss.png` into a temporary
   directory beside `output_dir` and swaps it in at the end (`staging.staged_directory`): a
   non-empty `output_dir` is a `FileExistsError` unless `overwrite`, and an interrupted run leaves
@@ -583,12 +663,17 @@ def train(
   import tokenizers
 
   staging.check_output_dir(output_dir, overwrite)  # before any work
+  if config.init_from is not None and tokenizer_path is not None:
+    raise ValueError("pass init_from or tokenizer_path, not both: init_from brings its tokenizer")
   wall_start = time.perf_counter()
+  initial_model = None
+  if config.init_from is not None:
+    tokenizer, initial_model = load_initial_checkpoint(config)
   source = Path(corpus_source) if corpus_source is not None else None
   train_files, held_out_files = corpus.split_corpus(source, max_files=config.max_train_files)
-  if tokenizer_path is None:
+  if initial_model is None and tokenizer_path is None:
     tokenizer = bpe.train_bpe((f.text for f in train_files), config.vocab_size)
-  else:
+  elif initial_model is None:
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
   train_stream = encode_files(tokenizer, train_files)
   held_out_stream = encode_files(tokenizer, held_out_files)
@@ -597,7 +682,8 @@ def train(
     held_out_stream, config.seq_len, config.eval_draft_depth, config.max_eval_windows
   )
   model_config = MODEL_PRESETS[config.model_preset](tokenizer.get_vocab_size())
-  trainer = Trainer(model_config, config)
+  malformed = unlikelihood.malformed_tokens(HfTokenizer(tokenizer).token_bytes())
+  trainer = Trainer(model_config, config, initial_model, malformed)
   stream = jax.device_put(jnp.asarray(train_stream))
   data_s = time.perf_counter() - wall_start
 
@@ -611,6 +697,9 @@ def train(
       # Cross-entropy per token depends on the tokenizer; per byte it does not.
       "held_out_bytes_per_token": held_out_bytes / len(held_out_stream),
     },
+    "initial_checkpoint": None
+    if config.init_from is None
+    else {"model_sha256": _sha256(Path(config.init_from) / "model.safetensors")},
     "device": str(jax.devices()[0].device_kind),
     "jax_version": jax.__version__,
     "history": [],

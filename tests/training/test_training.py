@@ -127,6 +127,48 @@ def test_checkpoint_round_trips_with_load_pretrained_and_its_tokenizer(smoke_run
     assert metrics[name] == pytest.approx(final[name], rel=1e-5, abs=1e-6), name
 
 
+def test_init_from_continues_from_the_checkpoint_with_its_tokenizer(smoke_run, tmp_path):
+  base_dir, base_log = smoke_run
+  output_dir = tmp_path / "second_phase"
+  argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]
+  phase = ["--init-from", str(base_dir), "--steps", "4", "--warmup-steps", "3"]
+  assert cli.main(argv + phase + ["--repetition-rows", "2", "--unlikelihood-rows", "2"]) == 0
+  with open(output_dir / "training_log.json") as f:
+    log = json.load(f)
+  # The second phase evaluates the loaded bf16 parameters before its first step: exactly the
+  # first phase's final (bf16) evaluation, on the same held-out windows.
+  start, end = log["evals"][0], base_log["evals"][-1]
+  for name in ("lm_loss", "mtp_loss", "mtp_agreement", "chain_acceptance_3"):
+    assert start[name] == pytest.approx(end[name], rel=1e-5, abs=1e-6), name
+  assert (output_dir / "tokenizer.json").read_bytes() == (base_dir / "tokenizer.json").read_bytes()
+  assert log["initial_checkpoint"]["model_sha256"] == trainer._sha256(
+    base_dir / "model.safetensors"
+  )
+  assert log["train_config"]["init_from"] == str(base_dir)
+  assert log["final"]["steps"] == 4
+  assert {"repetition_loss", "unlikelihood_loss", "rollout_malformed_share"} <= set(
+    log["history"][0]
+  )
+
+
+def test_init_from_refuses_a_checkpoint_of_another_shape(smoke_run, tmp_path, capsys):
+  base_dir, _ = smoke_run
+  argv = ["train", "--no-progress", "--output-dir", str(tmp_path / "x"), "--init-from"]
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv + [str(base_dir)])  # the default preset from a smoke checkpoint
+  assert exit_info.value.code == 2
+  assert "not the 'default' preset at vocab_size 2048" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(argv + [str(base_dir), "--smoke", "--tokenizer", str(base_dir / "tokenizer.json")])
+  assert "leave out --tokenizer" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="not both"):
+    trainer.train(
+      dataclasses.replace(cli.SMOKE, init_from=str(base_dir)),
+      tmp_path / "y",
+      tokenizer_path=base_dir / "tokenizer.json",
+    )
+
+
 def test_an_interrupted_run_leaves_the_old_checkpoint_untouched(tmp_path, monkeypatch):
   output_dir = tmp_path / "model"
   output_dir.mkdir()
