@@ -15,7 +15,7 @@ import tokenizers
 
 from jaxspec import argtypes
 from jaxspec.training import staging
-from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, load_initial_checkpoint, train
+from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, check_initial_checkpoint, train
 
 # A few seconds on a CPU: tiny model, 40 training files, 30 steps.
 SMOKE = TrainConfig(
@@ -153,7 +153,7 @@ def _check_inputs(args, config: TrainConfig) -> None:
     if not (Path(config.init_from) / "config.json").is_file():
       parser.error(f"--init-from {config.init_from}: no config.json (not a checkpoint directory)")
     try:
-      load_initial_checkpoint(config)  # a small model: loading it twice costs a second
+      check_initial_checkpoint(config)
     except (ValueError, OSError) as error:
       parser.error(f"--init-from: {error}")
 

@@ -47,7 +47,7 @@ def repeated_windows(stream: jax.Array, key: jax.Array, rows: int, window: int):
   return stream[starts + offsets], spans[:, 0], prefixes[:, 0]
 
 
-def _target_probabilities(logits: jax.Array, targets: jax.Array) -> jax.Array:
+def target_probabilities(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """logits [R, T, V], targets int [R, T] -> the probability of each target, float32 [R, T]."""
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])
@@ -64,7 +64,7 @@ def self_reinforcement_loss(
   mean is over those rows of all windows.
   """
   seq_len = logits.shape[1]
-  p = _target_probabilities(logits, windows[:, 1 : seq_len + 1])  # [R, T]
+  p = target_probabilities(logits, windows[:, 1 : seq_len + 1])  # [R, T]
   positions = jnp.arange(seq_len)[None, :]  # [1, T]
   spans, prefixes = spans[:, None], prefixes[:, None]  # [R, 1]
   p_previous = jax.lax.stop_gradient(
@@ -126,7 +126,7 @@ def repetition_profile(
   def score(ids, targets):
     hidden, _ = model.forward(ids, StepMetadata.plain(ids, kernels))
     logits = model.logits(hidden)
-    return _target_probabilities(logits, targets), jnp.argmax(logits, axis=-1) == targets
+    return target_probabilities(logits, targets), jnp.argmax(logits, axis=-1) == targets
 
   p, hit = map(np.asarray, score(ids, jnp.asarray(windows[:, 1:], jnp.int32)))  # [rows, T] each
   # Row t predicts token t + 1: occurrence k (1-based) holds tokens [prefix + (k - 1) span,

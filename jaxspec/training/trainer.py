@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxspec.model.config import GlmConfig
+from jaxspec.model.config import GlmConfig, read_config
 from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import load_pretrained, save_pretrained
@@ -620,24 +620,25 @@ def _describe_corpus(source: Path | None, train_files, held_out_files, train_tok
   }
 
 
-def load_initial_checkpoint(config: TrainConfig):
-  """`config.init_from`'s tokenizer and float32 model, checked against the run's preset and
-  vocabulary (a mismatch is a `ValueError` naming both, not a silently different model)."""
+def check_initial_checkpoint(config: TrainConfig):
+  """`config.init_from`'s tokenizer, once its `config.json` is checked against the run's preset
+  and vocabulary (a mismatch is a `ValueError` naming both, not a silently different model). No
+  weights are read."""
   import tokenizers
 
   path = Path(config.init_from)
   if not (path / "tokenizer.json").is_file():
     raise ValueError(f"init_from {path}: no tokenizer.json (not a checkpoint written by train)")
   tokenizer = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-  model = load_pretrained(path, dtype=jnp.float32)
+  found = read_config(path / "config.json")
   expected = MODEL_PRESETS[config.model_preset](tokenizer.get_vocab_size())
-  if model.config != expected or config.vocab_size != tokenizer.get_vocab_size():
+  if found != expected or config.vocab_size != tokenizer.get_vocab_size():
     raise ValueError(
-      f"init_from {path}: a {model.config.vocab_size}-token model of hidden size "
-      f"{model.config.hidden_size}, not the {config.model_preset!r} preset at vocab_size "
+      f"init_from {path}: a {found.vocab_size}-token model of hidden size "
+      f"{found.hidden_size}, not the {config.model_preset!r} preset at vocab_size "
       f"{config.vocab_size}"
     )
-  return tokenizer, model
+  return tokenizer
 
 
 def train(
@@ -668,7 +669,8 @@ def train(
   wall_start = time.perf_counter()
   initial_model = None
   if config.init_from is not None:
-    tokenizer, initial_model = load_initial_checkpoint(config)
+    tokenizer = check_initial_checkpoint(config)
+    initial_model = load_pretrained(config.init_from, dtype=jnp.float32)
   source = Path(corpus_source) if corpus_source is not None else None
   train_files, held_out_files = corpus.split_corpus(source, max_files=config.max_train_files)
   if initial_model is None and tokenizer_path is None:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.model.metadata import StepMetadata
+from jaxspec.training import repetition
 
 # The forwards run over buffers padded to a multiple of this (causal: the padding after a
 # position does not change it), the sequence lengths cuDNN's flash attention accepts.
@@ -102,9 +103,7 @@ def unlikelihood_loss(
   (`penalised_mask` from `start`, the prefix length). Dividing by every continuation token,
   marked or not, makes the loss shrink with the share of repeated tokens.
   """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  targets = tokens[:, 1:]
-  p = jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0])  # [U, L - 1]
+  p = repetition.target_probabilities(logits, tokens[:, 1:])  # [U, L - 1]
   # 1 - p underflows to 0 where the model is certain of the repeat; clip it off 0.
   penalty = -jnp.log(jnp.clip(1.0 - p, 1e-6, 1.0))
   continuation_tokens = tokens.shape[0] * (tokens.shape[1] - start)
