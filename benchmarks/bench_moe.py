@@ -15,16 +15,17 @@ Shapes: GLM-4.5-Air (E 128, H 4096, I 1408) and GLM-4.5 (E 160, H 5120, I 1536),
 bandwidth, FLOPs / bf16 matmul rate)``, both ceilings measured in this process (a float32 sum
 over 1 GiB bf16 arrays; a 8192^3 bf16 matmul). Peak device memory of one call at 8192 tokens is
 read from XLA's memory analysis of the compiled call (arguments + outputs + temporaries). A
-breakdown lists the CUPTI time of every GPU kernel of one call of ours (GLM-4.5-Air at 1, 64 and
-2048 tokens): where the time goes. Writes ``results/moe.json`` and ``.md`` (after every row, so
+breakdown lists the CUPTI time of every GPU kernel of one call of ours (GLM-4.5-Air at 1, 64, 2048
+and 8192 tokens): where the time goes. Writes ``results/moe.json`` and ``.md`` (after every row, so
 a cut run keeps its rows).
 
-``--quick`` times fewer token counts; ``--tune`` adds a sweep of TuningConfigs per token count
-(GLM-4.5-Air) to choose defaults from; ``--smoke`` runs tiny shapes in GPU interpret mode on any
-backend (a check of the script, not a measurement) and writes to a temporary directory unless
-``--out`` is given.
+``--quick`` times fewer token counts; ``--tokens`` and ``--shapes`` choose them; ``--tune`` adds
+a sweep of TuningConfigs per token count (GLM-4.5-Air) to choose defaults from, ``--tune-only``
+runs the sweep alone; ``--smoke`` runs tiny shapes in GPU interpret mode on any backend (a check
+of the script, not a measurement) and writes to a temporary directory unless ``--out`` is given.
 
-Usage: ``python benchmarks/bench_moe.py [--quick] [--tune]`` or ``... --smoke``.
+Usage: ``python benchmarks/bench_moe.py [--quick] [--tune | --tune-only] [--tokens N ...]
+[--shapes NAME ...]`` or ``... --smoke``.
 """
 
 import argparse
@@ -53,7 +54,7 @@ TOKENS = (1, 4, 16, 64, 384, 2048, 8192)
 QUICK_TOKENS = (1, 64, 384, 2048, 8192)
 TUNE_TOKENS = (1, 16, 64, 384, 2048, 8192)
 QUICK_TUNE_TOKENS = (1, 64, 384, 8192)
-BREAKDOWN_TOKENS = (1, 64, 2048)
+BREAKDOWN_TOKENS = (1, 64, 2048, 8192)
 SMOKE_SHAPES = {"smoke": (8, 128, 128)}
 SMOKE_TOKENS = (1, 5)
 PER_ROUTE_MAX_BYTES = 24e9  # the per_route gather of one call must fit next to the rest
@@ -312,6 +313,25 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
         block_n_down=128,
         num_stages=3,
       ),
+      # 128-row tiles halve the weight traffic per FLOP that 64-row tiles pull through L2.
+      dict(
+        warpgroups=2,
+        warpgroup_split="m",
+        block_m=128,
+        block_n_gate_up=128,
+        block_n_down=256,
+        num_stages=2,
+      ),
+      dict(
+        warpgroups=2,
+        warpgroup_split="m",
+        block_m=128,
+        block_n_gate_up=128,
+        block_n_down=128,
+        block_k=128,
+        num_stages=2,
+      ),
+      dict(warpgroups=2, block_m=128, block_n_gate_up=128, block_n_down=128),
     ]
   return [TuningConfig(**changes) for changes in grid]
 
@@ -387,10 +407,22 @@ def main():
   )
   parser.add_argument("--tune", action="store_true", help="sweep TuningConfigs (GLM-4.5-Air)")
   parser.add_argument(
+    "--tune-only",
+    action="store_true",
+    help="the sweep alone: no contender rows, no breakdown (implies --tune)",
+  )
+  parser.add_argument(
+    "--tokens", type=int, nargs="+", default=None, help="token counts of the rows and the sweep"
+  )
+  parser.add_argument(
+    "--shapes", nargs="+", choices=list(SHAPES), default=None, help="shapes of the rows"
+  )
+  parser.add_argument(
     "--smoke", action="store_true", help="tiny shapes, interpret mode, any backend"
   )
   parser.add_argument("--out", default=None, help="results directory")
   args = parser.parse_args()
+  args.tune = args.tune or args.tune_only
   if args.out is not None:
     out_dir = pathlib.Path(args.out)
   else:
@@ -406,7 +438,11 @@ def main():
     }
     contenders = ("ours", "xla", "per_route")
   else:
-    shapes, token_counts = SHAPES, QUICK_TOKENS if args.quick else TOKENS
+    shapes, token_counts = SHAPES, args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
+    if args.shapes:
+      shapes = {name: SHAPES[name] for name in args.shapes}
+    if args.tune_only:  # the sweep runs on GLM-4.5-Air alone
+      shapes = {"GLM-4.5-Air": SHAPES["GLM-4.5-Air"]}
     ceilings = {"read_tbps": measure_read_bandwidth(), "matmul_tflops": measure_matmul_rate()}
     contenders = ("ours", "xla", "per_route", "torch_grouped_mm")
   print(f"ceilings: {ceilings}", flush=True)
@@ -437,19 +473,20 @@ def main():
       n: dataclasses.asdict(mosaic_gpu.default_config(n, TOP_K, num_experts, hidden, intermediate))
       for n in token_counts
     }
-    for num_tokens in token_counts:
+    for num_tokens in () if args.tune_only else token_counts:
       rows.append(run_row(rng, layer, num_tokens, ceilings, args.smoke, contenders))
       save()
-    if name == "GLM-4.5":
+    if name != "GLM-4.5-Air" and not args.smoke:
       del layers[name]  # free its 7.5 GB before the breakdown and the sweep
 
-  if not args.smoke:
+  if not args.smoke and not args.tune_only and "GLM-4.5-Air" in layers:
     breakdown(rng, layers["GLM-4.5-Air"], BREAKDOWN_TOKENS, breakdowns, save)
   if args.tune and args.smoke:
     tune(rng, layers["smoke"], SMOKE_TOKENS[:1], tuning, save, smoke=True)
   elif args.tune:
-    tune_tokens = QUICK_TUNE_TOKENS if args.quick else TUNE_TOKENS
-    tune(rng, layers["GLM-4.5-Air"], tune_tokens, tuning, save)
+    tune_tokens = args.tokens or (QUICK_TUNE_TOKENS if args.quick else TUNE_TOKENS)
+    air = layers.get("GLM-4.5-Air") or make_layer("GLM-4.5-Air", *SHAPES["GLM-4.5-Air"])
+    tune(rng, air, tune_tokens, tuning, save)
   print(f"results in {out_dir}")
   print(render_markdown(meta, rows, breakdowns, tuning))
 
@@ -472,11 +509,14 @@ def render_markdown(meta, rows, breakdowns, tuning):
     f"Timing: {meta['timing']}. Limit = max(touched experts x expert bytes / "
     f"{ceilings['read_tbps']:.3g} TB/s, FLOPs / {ceilings['matmul_tflops']:.3g} TFLOP/s), "
     "both ceilings measured in this run (bf16 read by a float32 sum; a 8192^3 bf16 matmul).",
-    "",
-    "| shape | tokens | experts touched | limit us | ours us | ours / limit | XLA ragged_dot us "
-    "| per_route us | torch _grouped_mm us | torch / ours | ours rel. rms error vs XLA |",
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
+  if rows:
+    lines += [
+      "",
+      "| shape | tokens | experts touched | limit us | ours us | ours / limit | XLA ragged_dot us "
+      "| per_route us | torch _grouped_mm us | torch / ours | ours rel. rms error vs XLA |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
   for row in rows:
     ours = row.get("ours", {})
     over = f"{ours['us'] / row['limit_us']:.2f}" if "us" in ours else "n/a"
@@ -516,6 +556,24 @@ def render_markdown(meta, rows, breakdowns, tuning):
         f"- {row['shape']}: " + "; ".join(parts) + f"; weights {weights:.2f}, "
         f"activations (x and out) {activations:.3f}, 4 x activations + weights "
         f"{4 * activations + weights:.2f}"
+      )
+  timed = [entry for entry in breakdowns if "kernels_us" in entry]
+  if timed:
+    lines += [
+      "",
+      "## Where the time goes (CUPTI kernel times of one call of ours)",
+      "",
+      "| shape | tokens | gate/up kernel us | down kernel us | XLA kernels us (count) | sum us |",
+      "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for entry in timed:
+      kernels = entry["kernels_us"]
+      gate_up = sum(t for name, t in kernels if name.startswith("routed_experts_gate_up"))
+      down = sum(t for name, t in kernels if name.startswith("routed_experts_down"))
+      total = sum(t for _, t in kernels)
+      lines.append(
+        f"| {entry['shape']} | {entry['tokens']} | {gate_up:.0f} | {down:.0f} "
+        f"| {total - gate_up - down:.0f} ({len(kernels) - 2}) | {total:.0f} |"
       )
   if tuning:
     lines += [

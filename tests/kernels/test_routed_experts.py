@@ -234,6 +234,37 @@ def test_tuning_config_is_validated():
       TuningConfig(**changes)
 
 
+@pytest.mark.parametrize(
+  ("num_tokens", "num_experts", "hidden", "intermediate", "two_warpgroup_tiles"),
+  [
+    (384, 128, 4096, 1408, False),  # 24 routes per expert: decode/verify tiles
+    (1535, 128, 4096, 1408, False),  # just under 96 routes per expert
+    (1536, 128, 4096, 1408, True),
+    (2048, 160, 5120, 1536, True),  # GLM-4.5 prefill: 102 routes per expert
+    (8192, 8, 256, 192, False),  # I = 192 is no multiple of the 128-wide N block
+  ],
+)
+def test_default_config_takes_128_row_tiles_from_96_routes_per_expert(
+  num_tokens, num_experts, hidden, intermediate, two_warpgroup_tiles
+):
+  config = mosaic_gpu.default_config(num_tokens, 8, num_experts, hidden, intermediate)
+  assert (config.block_m, config.warpgroups) == ((128, 2) if two_warpgroup_tiles else (64, 1))
+  if two_warpgroup_tiles:
+    assert config.warpgroup_split == "m"
+  shapes = [
+    jax.ShapeDtypeStruct(shape, dtype)
+    for shape, dtype in [
+      ((num_tokens, hidden), jnp.bfloat16),
+      ((num_tokens, 8), jnp.int32),
+      ((num_tokens, 8), jnp.float32),
+      ((num_experts, hidden, intermediate), jnp.bfloat16),
+      ((num_experts, hidden, intermediate), jnp.bfloat16),
+      ((num_experts, intermediate, hidden), jnp.bfloat16),
+    ]
+  ]
+  assert mosaic_gpu.unsupported_reason(*shapes, config=config) is None
+
+
 def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
   x, ids, weights, w_gate, w_up, w_down = make_inputs(np.random.default_rng(3), 2, 2, 8, 64, 96)
   # I = 96 is no multiple of the 64-wide blocks.

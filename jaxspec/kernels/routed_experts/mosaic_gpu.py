@@ -64,6 +64,9 @@ SMEM_BYTES = 227 * 1024  # usable shared memory per SM on Hopper
 # Accumulator elements per consumer warpgroup (all accumulators of a kernel together): 128
 # float32 registers per thread at most, so the epilogue and the addressing keep theirs.
 MAX_ACC_ELEMENTS = 128 * 128
+# Mean routes per expert from which default_config takes 128-row two-warpgroup tiles: measured
+# gains at 128 (GLM-4.5-Air, 2048 tokens), none at 24; GLM-4.5 at 2048 tokens has 102.
+PREFILL_ROUTES_PER_EXPERT = 96
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,15 +155,32 @@ def _pick_block_n(size: int, tiles: int, sms: int, candidates: tuple[int, ...]) 
 def default_config(
   num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
 ) -> TuningConfig:
-  """Heuristic defaults from the shapes (host-side numbers only).
+  """Heuristic defaults from the shapes (host-side numbers only), chosen from H200 sweeps
+  (``benchmarks/bench_moe.py --tune``, GLM-4.5-Air shapes).
 
-  ``block_m`` 64: at decode sizes a tile holds a few routes, and 64 rows is the smallest wgmma M.
-  One warpgroup with a 4-deep ring. The N blocks are as large as the register and shared-memory
+  Decode and verify sizes (fewer than ``PREFILL_ROUTES_PER_EXPERT`` routes per expert on
+  average): ``block_m`` 64, the smallest wgmma M, since a tile holds a few routes; one
+  warpgroup with a 4-deep ring. The N blocks are as large as the register and shared-memory
   budgets allow (128 for the two gate/up accumulators, 256 for the down one), unless the
   expected tiles (``min(T * k, E)`` touched experts, or ``T * k / 64`` full tiles) would give
   fewer than two work items per SM: then smaller blocks split each expert over more SMs.
+
+  Prefill sizes: 128-row tiles split over two consumer warpgroups (64 rows each) fed by a
+  producer warpgroup. A 64-row tile pulls a whole weight block through L2 for 64 rows, and at
+  these sizes that traffic, not the wgmmas, set the pace: at 2048 tokens 2151 -> 1749 us, at
+  8192 6071 -> 4814 us; at 384 tokens (24 routes per expert) 1155 -> 1165 us, no gain.
   """
   routes = num_tokens * top_k
+  prefill = TuningConfig(
+    block_m=128,
+    block_n_gate_up=128,
+    block_n_down=128,
+    warpgroups=2,
+    warpgroup_split="m",
+  )
+  divides = intermediate % prefill.block_n_gate_up == 0 and hidden % prefill.block_n_down == 0
+  if routes >= PREFILL_ROUTES_PER_EXPERT * num_experts and divides:
+    return prefill
   tiles = max(min(routes, num_experts), routes // ROWS_PER_WGMMA)
   sms = num_sms(None)
   return TuningConfig(
