@@ -94,18 +94,32 @@ class _ThreadedStep(jax.stages.Wrapped):
     return outputs
 
 
+class ProfileFailed(RuntimeError):
+  """A profiled run failed; ``state`` is the state its last call returned (the one passed in
+  was donated by then), for the caller to go on with."""
+
+  def __init__(self, message: str, state):
+    super().__init__(message)
+    self.state = state
+
+
 def profile_stateful(step, state, iterations: int = 10):
   """GPU kernels of ``iterations`` calls of ``outputs, state = step(state)``, from CUPTI.
 
   One unprofiled call runs first (``profiler.measure``'s warm-up); the state is threaded
   through all calls. Returns (for each profiled call its kernels in launch order as
-  ``(name, device seconds)``, final state). Raises RuntimeError before any call where CUPTI is
-  unavailable (the CPU).
+  ``(name, device seconds)``, final state). Raises ``ProfileFailed`` with the live state when
+  profiling fails, before any call where CUPTI is unavailable (the CPU). With several
+  iterations the profiler requires the same kernel names in every call, which a program over
+  several GPUs (whose kernels interleave in any order) does not give: profile those with one.
   """
   threaded = _ThreadedStep(step, state)
-  _, timings = profiler.measure(threaded, aggregate=False, iterations=iterations)()
+  try:
+    _, timings = profiler.measure(threaded, aggregate=False, iterations=iterations)()
+  except Exception as error:
+    raise ProfileFailed(f"{type(error).__name__}: {error}", threaded.state) from error
   if timings is None:
-    raise RuntimeError("the step launched no GPU kernel")
+    raise ProfileFailed("the step launched no GPU kernel", threaded.state)
   per_call = [timings] if iterations == 1 else timings
   return [[(name, ms * 1e-3) for name, ms in call] for call in per_call], threaded.state
 

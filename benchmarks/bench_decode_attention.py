@@ -35,10 +35,15 @@ started and the ones left are listed as skipped.
 Every row also reports the largest difference between our output and the XLA reference's
 on the first input, over the first requests of the batch (up to 8, so that it fits).
 Effective bandwidth is unique KV bytes (K and V of every request's ``S`` positions, in the
-pages' dtype) / time. ``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the
-first section. ``--tune`` instead runs only a sweep of tuning configs (on three shapes; the
-fp8 ring depth and register layout; ``TuningConfig.merge_kernel`` against the XLA merge where
-the KV is split) and writes ``results/decode_attention_tuning.{json,md}``.
+pages' dtype) / time. Where a batch's KV is smaller than ``COLD_READ_BYTES`` (4x the L2), the
+calls of a timed program rotate over copies of its pages, for every contender, so that no row
+is timed with its KV warm in L2 (a served model's step reads every layer's KV, never L2-warm).
+
+``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the first section; ``--only``
+runs the shapes it names, in its order. ``--tune`` instead runs only a sweep of tuning configs
+(on three shapes; the fp8 ring depth and register layout; ``TuningConfig.merge_kernel`` against
+the XLA merge where the KV is split; the 128-row two-warpgroup tile at G 12, L 32k) and writes
+``results/decode_attention_tuning.{json,md}``; with ``--only``, the sweeps it names.
 
 ``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
 ``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
@@ -87,6 +92,12 @@ DATASHEET_TBPS = 4.8  # H200 HBM3e
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 XLA_CHECK_REQUESTS = 8  # ours is compared with the XLA reference on this many requests
 FP8_TARGET_RATIO = 1.8
+L2_BYTES = 50 * 2**20  # H100 / H200
+# Calls of a timed program rotate over copies of the pages so that at least this many bytes
+# are read between two reads of one copy: the KV of a served model's step (every layer's) is
+# never in L2, and a batch whose KV is smaller than the L2 would otherwise be timed warm.
+COLD_READ_BYTES = 4 * L2_BYTES
+MAX_CALLS_PER_PROGRAM = 16
 
 
 @dataclasses.dataclass
@@ -98,6 +109,7 @@ class Batch:
   kv_bytes: int  # unique K and V bytes the step must read
   k_scale: jax.Array | None = None  # f32 [Hkv] with fp8 pages
   v_scale: jax.Array | None = None
+  page_copies: tuple = ()  # further (K, V) copies of the same values, see cold_copies
 
   @property
   def head_dim(self) -> int:
@@ -105,9 +117,28 @@ class Batch:
 
   @property
   def shared_args(self) -> tuple:
-    """What every call of ours reads besides q: pages, table, lengths, scales."""
-    lens = jnp.asarray(self.seq_lens)
-    return (self.k_pages, self.v_pages, self.block_tables, lens, self.k_scale, self.v_scale)
+    """What one call of ours reads besides q: pages (the first copy), table, lengths, scales."""
+    return (self.k_pages, self.v_pages, *self.rest_args)
+
+  @property
+  def rest_args(self) -> tuple:
+    """What every call of ours reads besides q and the pages: table, lengths, scales."""
+    return (self.block_tables, jnp.asarray(self.seq_lens), self.k_scale, self.v_scale)
+
+  def pages(self, call: int) -> tuple[jax.Array, jax.Array]:
+    """The (K, V) pages that call ``call`` of a timed program reads: the copies in turn."""
+    copies = ((self.k_pages, self.v_pages), *self.page_copies)
+    return copies[call % len(copies)]
+
+  def variants(self, queries) -> list[tuple[jax.Array, jax.Array, jax.Array]]:
+    """(q, K pages, V pages) of each call of a timed program."""
+    return [(q, *self.pages(i)) for i, q in enumerate(queries)]
+
+
+def cold_copies(kv_bytes: int) -> int:
+  """Copies of the pages so that consecutive calls read ``COLD_READ_BYTES`` before one copy
+  comes round again (1 where the KV alone is that large)."""
+  return int(min(MAX_CALLS_PER_PROGRAM, -(-COLD_READ_BYTES // max(kv_bytes, 1))))
 
 
 def make_batch(rng, seq_lens, head_dim=HEAD_DIM, pad_to=128) -> Batch:
@@ -124,13 +155,9 @@ def make_batch(rng, seq_lens, head_dim=HEAD_DIM, pad_to=128) -> Batch:
   key_k, key_v = jax.random.split(jax.random.key(int(rng.integers(1 << 31))))
   shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, head_dim)
   kv_bytes = int(seq_lens.sum()) * NUM_KV_HEADS * head_dim * 2 * jnp.dtype(DTYPE).itemsize
-  return Batch(
-    seq_lens,
-    jax.random.normal(key_k, shape, DTYPE),
-    jax.random.normal(key_v, shape, DTYPE),
-    jnp.asarray(block_tables),
-    kv_bytes,
-  )
+  k_pages, v_pages = jax.random.normal(key_k, shape, DTYPE), jax.random.normal(key_v, shape, DTYPE)
+  copies = tuple((jnp.copy(k_pages), jnp.copy(v_pages)) for _ in range(cold_copies(kv_bytes) - 1))
+  return Batch(seq_lens, k_pages, v_pages, jnp.asarray(block_tables), kv_bytes, page_copies=copies)
 
 
 def to_fp8(batch: Batch) -> Batch:
@@ -142,6 +169,10 @@ def to_fp8(batch: Batch) -> Batch:
     return stored, scale
 
   (k_pages, k_scale), (v_pages, v_scale) = quantise(batch.k_pages), quantise(batch.v_pages)
+  # The copies hold the same values, hence the same scales; half the bytes, so twice as many.
+  copies = tuple(
+    (jnp.copy(k_pages), jnp.copy(v_pages)) for _ in range(cold_copies(batch.kv_bytes // 2) - 1)
+  )
   return dataclasses.replace(
     batch,
     k_pages=k_pages,
@@ -149,6 +180,7 @@ def to_fp8(batch: Batch) -> Batch:
     k_scale=k_scale,
     v_scale=v_scale,
     kv_bytes=batch.kv_bytes // 2,
+    page_copies=copies,
   )
 
 
@@ -161,11 +193,12 @@ def fresh_queries(rng, batch, q_len, count, group=GROUP, head_dim=HEAD_DIM):
 def inner_count(kv_bytes):
   """Calls per timed program: enough that a program outlasts its own host dispatch (the
   steady-state timing then measures the device), few enough to keep compile time short."""
-  return int(np.clip(2e10 / max(kv_bytes, 1), 4, 16))
+  return int(np.clip(2e10 / max(kv_bytes, 1), 4, MAX_CALLS_PER_PROGRAM))
 
 
 def _ours(impl, config=None, interpret=False):
-  def call(q, k, v, tables, lens, k_scale, v_scale):
+  def call(variant, tables, lens, k_scale, v_scale):
+    q, k, v = variant
     return paged_decode_attention(
       q,
       k,
@@ -184,12 +217,13 @@ def _ours(impl, config=None, interpret=False):
 
 def time_ours(batch, queries, config=None, interpret=False, notes=None, **timing):
   del notes
-  return time_jax(_ours("pallas", config, interpret), queries, *batch.shared_args, **timing)
+  fn = _ours("pallas", config, interpret)
+  return time_jax(fn, batch.variants(queries), *batch.rest_args, **timing)
 
 
 def time_xla(batch, queries, notes=None, **timing):
   del notes
-  return time_jax(_ours("xla"), queries, *batch.shared_args, **timing)
+  return time_jax(_ours("xla"), batch.variants(queries), *batch.rest_args, **timing)
 
 
 def time_triton_per_row(batch, queries, notes=None):
@@ -201,12 +235,11 @@ def time_triton_per_row(batch, queries, notes=None):
   row_lens = np.maximum(batch.seq_lens[:, None] - q_len + 1 + rows[None, :], 0).reshape(-1)
   row_tables = jnp.repeat(batch.block_tables, q_len, axis=0)  # [B * q_len, max_pages]
 
-  def fn(q, k, v, tables, lens):
+  def fn(variant, tables, lens):
+    q, k, v = variant
     return paged_attention(q.reshape(b * q_len, num_heads, head_dim), k, v, tables, lens)
 
-  return time_jax(
-    fn, queries, batch.k_pages, batch.v_pages, row_tables, jnp.asarray(row_lens, jnp.int32)
-  )
+  return time_jax(fn, batch.variants(queries), row_tables, jnp.asarray(row_lens, jnp.int32))
 
 
 def time_torch_sdpa(batch, queries, notes=None):
@@ -226,13 +259,14 @@ def time_torch_sdpa(batch, queries, notes=None):
     gathered = pages[:, batch.block_tables].reshape(NUM_KV_HEADS, b, -1, head_dim)
     return torch.from_dlpack(jnp.swapaxes(gathered[:, :, :length], 0, 1))
 
-  keys, values = contiguous(batch.k_pages), contiguous(batch.v_pages)
+  copies = [tuple(map(contiguous, batch.pages(i))) for i in range(1 + len(batch.page_copies))]
   qs = [torch.from_dlpack(q).permute(0, 2, 1, 3).contiguous() for q in queries]
   mask = None if q_len == 1 else causal_lower_right(q_len, length)
   state = {"i": 0}
 
   def call():
     state["i"] = (state["i"] + 1) % len(qs)
+    keys, values = copies[state["i"] % len(copies)]
     return F.scaled_dot_product_attention(
       qs[state["i"]], keys, values, attn_mask=mask, enable_gqa=True
     )
@@ -297,11 +331,15 @@ def time_flashinfer(batch, queries, notes):
   def tensor(array):
     return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
-  # Our [Hkv, N, page, D] pages as FlashInfer's HND [N, Hkv, page, D] (one copy, untimed).
-  kv_cache = tuple(
-    torch.from_dlpack(jax.block_until_ready(jnp.swapaxes(pages, 0, 1)))
-    for pages in (batch.k_pages, batch.v_pages)
-  )
+  # Our [Hkv, N, page, D] pages as FlashInfer's HND [N, Hkv, page, D] (one transpose of each
+  # copy, untimed).
+  kv_caches = [
+    tuple(
+      torch.from_dlpack(jax.block_until_ready(jnp.swapaxes(pages, 0, 1)))
+      for pages in batch.pages(i)
+    )
+    for i in range(1 + len(batch.page_copies))
+  ]
   workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
   dtypes = {"q_data_type": torch.bfloat16, "kv_data_type": torch.bfloat16}
   plan_args = (tensor(indptr), tensor(indices), tensor(last_page_len))
@@ -324,10 +362,10 @@ def time_flashinfer(batch, queries, notes):
   torch_queries = [torch.from_dlpack(q).reshape(b * q_len, num_q_heads, head_dim) for q in queries]
   outputs = []
 
-  def make_call(q):
+  def make_call(q, kv_cache):
     return lambda: outputs.append(wrapper.run(q, kv_cache))
 
-  calls = [make_call(q) for q in torch_queries]
+  calls = [make_call(q, kv_caches[i % len(kv_caches)]) for i, q in enumerate(torch_queries)]
   calls[0]()
   torch.cuda.synchronize()
   first = jnp.asarray(np.asarray(outputs[0].float().cpu())).reshape(queries[0].shape)
@@ -593,7 +631,7 @@ def breakdown(rng, out_dir):
       batch = to_fp8(batch)
     queries = fresh_queries(rng, len(seq_lens), q_len, inner_count(batch.kv_bytes))
     call = jax.jit(_ours("pallas", config))
-    args = (queries[0], *batch.shared_args)
+    args = (batch.variants(queries[:1])[0], *batch.rest_args)
     jax.block_until_ready(call(*args))
     kernels = []
     for _ in range(5):  # keep the fastest of five profiled calls, kernel by kernel
@@ -652,7 +690,9 @@ def main():
     "--only",
     nargs="+",
     default=None,
-    help='run only the shapes named "SECTION NAME", e.g. "fp8 KV B64 L32k" "G8 D128 B64 L32k"',
+    help='run only the shapes named "SECTION NAME", in the order given, e.g. "fp8 KV B64 L32k" '
+    '"G8 D128 B64 L32k"; with --tune, the sweeps labelled "SHAPE qQ_LEN GG[ fp8]", e.g. '
+    '"B64 L32k q7 G8 fp8"',
   )
   parser.add_argument("--out", default=str(RESULTS))
   args = parser.parse_args()
@@ -707,11 +747,16 @@ def main():
 
   meta["skipped"] = []
   if args.tune:
-    tune(rng, tuning, save, smoke=args.smoke)
+    tune(rng, tuning, save, smoke=args.smoke, only=args.only)
   else:
-    for shape in benchmark_shapes(rng, args.quick, version is not None, args.smoke):
-      if args.only is not None and f"{shape.section} {shape.name}" not in args.only:
-        continue
+    shapes = benchmark_shapes(rng, args.quick, version is not None, args.smoke)
+    if args.only is not None:
+      by_name = {f"{shape.section} {shape.name}": shape for shape in shapes}
+      unknown = [name for name in args.only if name not in by_name]
+      if unknown:
+        parser.error(f"--only: no shape named {unknown}; the shapes are {list(by_name)}")
+      shapes = [by_name[name] for name in args.only]
+    for shape in shapes:
       if time.perf_counter() - started > args.time_budget:
         meta["skipped"].append(f"{shape.section} {shape.name}")
         continue
@@ -722,9 +767,10 @@ def main():
   print(render_markdown(meta, rows, tuning))
 
 
-def tune(rng, tuning, save, smoke=False):
+def tune(rng, tuning, save, smoke=False, only=None):
   """Our kernel under several tuning configs: the merge kernel where the KV is split, the
-  chunking and ring on three shapes, and the fp8 ring depth."""
+  chunking and ring on three shapes, the fp8 ring depth, and the 128-row two-warpgroup tile at
+  G 12 where the KV does not fit in L2. ``only``: the sweeps to run, by label (in that order)."""
   configs = [
     TuningConfig(num_stages=s, block_kv=bk, num_chunks=c, balance_waves=w)
     for s, bk, c, w in [
@@ -743,29 +789,47 @@ def tune(rng, tuning, save, smoke=False):
   # The merge and row unpacking in one kernel (off by default) on shapes that split the KV.
   default = default_config(HEAD_DIM, PAGE_SIZE)
   merge = [default, dataclasses.replace(default, merge_kernel=True)]
-  sweeps = [
-    ("B1 L8k", [8192], 1, False, merge),
-    ("B1 L8k", [8192], 7, False, merge),
-    ("B8 L32k", [32768] * 8, 1, False, merge),
-    ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), 7, False, merge),
-    ("B64 L32k", [32768] * 64, 7, False, configs),
-    ("B8 L32k", [32768] * 8, 1, False, configs),
-    ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), 7, False, configs),
-    ("B64 L32k", [32768] * 64, 7, True, fp8_configs),
+  two_warpgroups = [default, dataclasses.replace(default, two_warpgroup_tiles=True)]
+  ragged = rng.integers(1024, 32768 + 1, size=64)
+  sweeps = [  # (shape, lengths, q_len, fp8, G, configs)
+    ("B1 L8k", [8192], 1, False, GROUP, merge),
+    ("B1 L8k", [8192], 7, False, GROUP, merge),
+    ("B8 L32k", [32768] * 8, 1, False, GROUP, merge),
+    ("B64 ragged 1k..32k", ragged, 7, False, GROUP, merge),
+    ("B64 L32k", [32768] * 64, 7, False, GROUP, configs),
+    ("B8 L32k", [32768] * 8, 1, False, GROUP, configs),
+    ("B64 ragged 1k..32k", ragged, 7, False, GROUP, configs),
+    ("B64 L32k", [32768] * 64, 7, True, GROUP, fp8_configs),
+    ("B8 L32k", [32768] * 8, 7, False, GLM_GROUP, two_warpgroups),
+    ("B64 L32k", [32768] * 64, 7, False, GLM_GROUP, two_warpgroups),
   ]
   if smoke:
-    sweeps = [("B2 L200", [200, 77], 3, False, merge), ("B2 L200", [200, 77], 3, True, configs[:1])]
+    sweeps = [
+      ("B2 L200", [200, 77], 3, False, GROUP, merge),
+      ("B2 L200", [200, 77], 3, True, GROUP, configs[:1]),
+    ]
+
+  def label(name, q_len, fp8, group):
+    return f"{name} q{q_len} G{group}" + (" fp8" if fp8 else "")
+
+  if only is not None:
+    by_label = {label(*sweep[:1], *sweep[2:5]): sweep for sweep in sweeps}
+    unknown = [name for name in only if name not in by_label]
+    if unknown:
+      raise ValueError(f"--only: no sweep labelled {unknown}; the sweeps are {list(by_label)}")
+    sweeps = [by_label[name] for name in only]
   timing = {"reps": 1, "warmup": 0} if smoke else {}
-  for name, seq_lens, q_len, fp8, sweep in sweeps:
+  for name, seq_lens, q_len, fp8, group, sweep in sweeps:
     batch = make_batch(rng, seq_lens, pad_to=8 if smoke else 128)
     if fp8:
       batch = to_fp8(batch)
     count = 1 if smoke else inner_count(batch.kv_bytes)
-    queries = fresh_queries(rng, len(seq_lens), q_len, count)
+    queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group)
     for config in sweep:
       entry = {
         "shape": name + (" fp8" if fp8 else ""),
         "q_len": q_len,
+        "G": group,
         "config": dataclasses.asdict(config),
       }
       try:
@@ -904,12 +968,13 @@ def render_markdown(meta, rows, tuning):
     lines += ["", "Contenders that failed:", ""]
     lines += [f"- {shape} q_len {q}: {name}: {error}" for shape, q, name, error in failures]
   if tuning:
-    lines += ["", "## Tuning sweep (ours)", "", "| shape | q_len | config | time | TB/s |"]
-    lines.append("| --- | --- | --- | --- | --- |")
+    lines += ["", "## Tuning sweep (ours)", "", "| shape | q_len | G | config | time | TB/s |"]
+    lines.append("| --- | --- | --- | --- | --- | --- |")
     for entry in tuning:
       config = ", ".join(f"{k}={v}" for k, v in entry["config"].items())
       result = f"{entry['us']:.1f} us | {entry['tbps']:.2f}" if "us" in entry else "fails | -"
-      lines.append(f"| {entry['shape']} | {entry['q_len']} | {config} | {result} |")
+      group = entry.get("G", GROUP)
+      lines.append(f"| {entry['shape']} | {entry['q_len']} | {group} | {config} | {result} |")
   return "\n".join(lines) + "\n"
 
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks._timing import profile_stateful, time_stateful
+from benchmarks._timing import ProfileFailed, profile_stateful, time_stateful
 from jaxspec.jaxpr_utils import count_calls
 from jaxspec.kernels.sparse_index import api as sparse_index_api
 from jaxspec.kernels.sparse_index.mosaic_gpu import KERNEL_NAME
@@ -127,9 +127,9 @@ def measure(compiled, params, inputs, cache, iters, reps, profiled):
   figures = {"step_wall_s": wall_s}
   try:
     per_step, cache = profile_stateful(step, cache, profiled)
-  except RuntimeError as error:  # no CUPTI (the CPU): wall time only
+  except ProfileFailed as error:  # no CUPTI (the CPU): wall time only
     figures["cupti"] = f"unavailable: {error}"
-    return figures, cache
+    return figures, error.state
   conversion_s = [sum(s for name, s in kernels if name == KERNEL_NAME) for kernels in per_step]
   figures.update(
     conversion_kernels=sum(name == KERNEL_NAME for name, _ in per_step[0]),
