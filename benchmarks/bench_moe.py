@@ -300,37 +300,17 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
       dict(warpgroups=2, block_n_gate_up=128, block_n_down=256),
     ]
   else:
+    # 128-row tiles over two consumer warpgroups (64 rows each) halve the weight traffic per
+    # FLOP that 64-row tiles pull through L2.
+    split_m = dict(warpgroups=2, warpgroup_split="m", block_m=128, block_n_gate_up=128)
     grid = [
       dict(block_n_gate_up=128, block_n_down=256),
       dict(block_m=128, block_n_gate_up=64, block_n_down=128),
       dict(warpgroups=2, block_n_gate_up=128, block_n_down=256),
-      dict(warpgroups=2, warpgroup_split="m", block_m=128, block_n_gate_up=128, block_n_down=128),
-      dict(
-        warpgroups=2,
-        warpgroup_split="m",
-        block_m=128,
-        block_n_gate_up=128,
-        block_n_down=128,
-        num_stages=3,
-      ),
-      # 128-row tiles halve the weight traffic per FLOP that 64-row tiles pull through L2.
-      dict(
-        warpgroups=2,
-        warpgroup_split="m",
-        block_m=128,
-        block_n_gate_up=128,
-        block_n_down=256,
-        num_stages=2,
-      ),
-      dict(
-        warpgroups=2,
-        warpgroup_split="m",
-        block_m=128,
-        block_n_gate_up=128,
-        block_n_down=128,
-        block_k=128,
-        num_stages=2,
-      ),
+      dict(split_m, block_n_down=128),
+      dict(split_m, block_n_down=128, num_stages=3),
+      dict(split_m, block_n_down=256, num_stages=2),
+      dict(split_m, block_n_down=128, block_k=128, num_stages=2),
       dict(warpgroups=2, block_m=128, block_n_gate_up=128, block_n_down=128),
     ]
   return [TuningConfig(**changes) for changes in grid]
