@@ -1,6 +1,7 @@
 """Checks a checkpoint against issue 16's bar for the embedded default model, on any backend.
 
   python scripts/check_default_model.py [MODEL_DIR] [--json-out FILE] [--sample-temperature T]
+      [--validation-prompts]
 
 Measures, for MODEL_DIR (default: the embedded model):
 
@@ -18,7 +19,9 @@ Measures, for MODEL_DIR (default: the embedded model):
   tokens, token healing on as in `generate`: no line more than twice, and more than half parse
   with `ast.parse` when cut at the last complete line. With `--sample-temperature T` the same
   prompts are also sampled (top-p 0.95, fixed seed) and reported the same way, to compare with
-  greedy.
+  greedy. `--validation-prompts` continues twelve other prompts of the same kinds instead
+  (`VALIDATION_PROMPTS`), to choose between candidate checkpoints while the demo prompts stay
+  an unseen test of the chosen one.
 
 Prints the continuations, a table with each target and PASS / FAIL, and one JSON object (also
 written to --json-out).
@@ -42,7 +45,12 @@ from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
 from jaxspec.tokenizer import load_tokenizer
 from jaxspec.training import corpus, repetition, trainer
-from jaxspec.training.demos import DEMO_NEW_TOKENS, healed_demo_quality
+from jaxspec.training.demos import (
+  DEMO_NEW_TOKENS,
+  DEMO_PROMPTS,
+  VALIDATION_PROMPTS,
+  healed_demo_quality,
+)
 
 SAMPLE_TOP_P = 0.95
 TARGETS = {  # name: (threshold, "max" | "min")
@@ -80,9 +88,11 @@ def held_out_cross_entropy(model, held_out_files, stream, seq_len: int) -> dict:
   }
 
 
-def demo_continuations(model, tokenizer, sampling: SamplingParams, seed: int = 0) -> dict:
-  """The demo prompts continued as `python -m jaxspec generate` continues them (token healing
-  on), scored by `demo_quality`."""
+def demo_continuations(
+  model, tokenizer, sampling: SamplingParams, seed: int = 0, prompt_texts=DEMO_PROMPTS
+) -> dict:
+  """The demo prompts (or `prompt_texts`) continued as `python -m jaxspec generate` continues
+  them (token healing on), scored by `demo_quality`."""
 
   def continue_prompts(ids, first_token_masks):
     max_seq_len = max(map(len, ids)) + DEMO_NEW_TOKENS
@@ -96,7 +106,7 @@ def demo_continuations(model, tokenizer, sampling: SamplingParams, seed: int = 0
     )
     return out.tokens
 
-  return healed_demo_quality(tokenizer, model.config.vocab_size, continue_prompts)
+  return healed_demo_quality(tokenizer, model.config.vocab_size, continue_prompts, prompt_texts)
 
 
 def _print_samples(title: str, report: dict) -> None:
@@ -114,7 +124,14 @@ def main(argv=None) -> int:
   parser.add_argument(
     "--sample-temperature", type=float, help="also sample the demos at this temperature"
   )
+  parser.add_argument(
+    "--validation-prompts",
+    action="store_true",
+    help="continue jaxspec.training.demos.VALIDATION_PROMPTS instead of the demo prompts (to "
+    "choose between candidates without looking at the demos)",
+  )
   args = parser.parse_args(argv)
+  prompt_texts = VALIDATION_PROMPTS if args.validation_prompts else DEMO_PROMPTS
   model_dir = args.model_dir
   model = jaxspec.load_pretrained(model_dir, dtype=jnp.float32)
   tokenizer = load_tokenizer(model_dir)
@@ -133,10 +150,11 @@ def main(argv=None) -> int:
     progress=False,
   )
   repeats = repetition.repetition_profiles(model, stream, KernelChoices())
-  greedy = demo_continuations(bf16_model, tokenizer, SamplingParams())
+  greedy = demo_continuations(bf16_model, tokenizer, SamplingParams(), prompt_texts=prompt_texts)
   _print_samples("greedy demos (96 new tokens)", greedy)
   result = {
     "model_dir": str(model_dir),
+    "prompts": "validation" if args.validation_prompts else "demo",
     "held_out": held_out,
     "k3_greedy": row,
     "greedy_demos": greedy,
@@ -151,7 +169,7 @@ def main(argv=None) -> int:
   }
   if args.sample_temperature is not None:
     sampling = SamplingParams(temperature=args.sample_temperature, top_p=SAMPLE_TOP_P)
-    sampled = demo_continuations(bf16_model, tokenizer, sampling)
+    sampled = demo_continuations(bf16_model, tokenizer, sampling, prompt_texts=prompt_texts)
     _print_samples(f"sampled demos (T={args.sample_temperature}, top-p {SAMPLE_TOP_P})", sampled)
     result["sampled_demos"] = sampled | {"temperature": args.sample_temperature}
 

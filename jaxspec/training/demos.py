@@ -25,6 +25,24 @@ DEMO_PROMPTS = (
   'class Point:\n    """A point in the plane."""\n\n    def __init__(self, x, y):',
 )
 
+# Other prompts of the same kinds, for choosing between candidate checkpoints, so that the demo
+# prompts above stay an unseen test of the chosen one.
+VALIDATION_PROMPTS = (
+  "def factorial(n):",
+  'def gcd(a, b):\n    """Return the greatest common divisor of a and b."""\n',
+  "class Queue:\n    def __init__(self):",
+  'def count_words(text):\n    """Return a dict mapping each word of text to its count."""\n',
+  "import json\n\n\ndef load_config(path):",
+  'class Rectangle:\n    """A rectangle with a width and a height."""\n\n'
+  "    def __init__(self, w, h):",
+  "def binary_search(items, target):",
+  'def flatten(nested):\n    """Return a flat list of the items of a list of lists."""\n',
+  "class LinkedList:\n    def __init__(self):",
+  "import sys\n\n\ndef main(argv):",
+  'def merge_dicts(a, b):\n    """Return a new dict with the items of a, updated by b."""\n',
+  'class Timer:\n    """Measure elapsed wall time."""\n\n    def __init__(self):',
+)
+
 DEMO_NEW_TOKENS = 96  # tokens per continuation (issue 16's bar)
 
 
@@ -81,11 +99,13 @@ def healed_demo_quality(
   tokenizer: HfTokenizer,
   vocab_size: int,
   continue_prompts: Callable[[list[list[int]], list[np.ndarray | None]], list[list[int]]],
+  prompt_texts: tuple[str, ...] = DEMO_PROMPTS,
 ) -> dict:
-  """`demo_quality` of the demo prompts continued as `python -m jaxspec generate` continues them:
-  each prompt healed (`token_healing.heal_prompt`), `continue_prompts(ids, first_token_masks)`
-  returning the new tokens of each, and the text read after the prompt."""
-  prompts = [tokenizer.encode(p) for p in DEMO_PROMPTS]
+  """`demo_quality` of the demo prompts (or `prompt_texts`, e.g. `VALIDATION_PROMPTS`) continued
+  as `python -m jaxspec generate` continues them: each prompt healed
+  (`token_healing.heal_prompt`), `continue_prompts(ids, first_token_masks)` returning the new
+  tokens of each, and the text read after the prompt."""
+  prompts = [tokenizer.encode(p) for p in prompt_texts]
   healed = [heal_prompt(tokenizer, p, vocab_size) for p in prompts]
   ids = [i for i, _ in healed]
   continuations = continue_prompts(ids, [mask for _, mask in healed])
@@ -93,4 +113,4 @@ def healed_demo_quality(
     continuation_text(tokenizer, p, i, c)
     for p, i, c in zip(prompts, ids, continuations, strict=True)
   ]
-  return demo_quality(list(zip(DEMO_PROMPTS, texts, strict=True)))
+  return demo_quality(list(zip(prompt_texts, texts, strict=True)))

@@ -50,3 +50,28 @@ def test_healed_demos_continue_the_healed_prompts_and_score_the_text_after_the_p
       assert sample["continuation"] == "    return 1\n" and sample["parses"]
     else:
       assert ids == full and mask is None and sample["continuation"] == ""
+
+
+def test_validation_prompts_are_other_prompts_of_the_same_kinds_and_are_continued_when_asked():
+  from jaxspec.__main__ import DEFAULT_MODEL
+  from jaxspec.tokenizer import load_tokenizer
+  from jaxspec.training.demos import DEMO_PROMPTS, VALIDATION_PROMPTS, healed_demo_quality
+
+  assert not set(VALIDATION_PROMPTS) & set(DEMO_PROMPTS)
+  assert len(set(VALIDATION_PROMPTS)) == len(VALIDATION_PROMPTS) >= len(DEMO_PROMPTS)
+  for prompt in VALIDATION_PROMPTS:  # each is the head of a function or a class, as the demos
+    assert prompt.startswith(("def ", "class ", "import ")), prompt
+  tokenizer = load_tokenizer(DEFAULT_MODEL)
+  full = [tokenizer.encode(p) for p in VALIDATION_PROMPTS]
+  seen = []
+
+  def continue_prompts(ids, masks):
+    seen.extend(ids)
+    return [f[len(i) :] for f, i in zip(full, ids, strict=True)]  # what healing took away
+
+  report = healed_demo_quality(
+    tokenizer, tokenizer.vocab_size, continue_prompts, VALIDATION_PROMPTS
+  )
+  assert [s["prompt"] for s in report["samples"]] == list(VALIDATION_PROMPTS)
+  assert [s["continuation"] for s in report["samples"]] == [""] * len(VALIDATION_PROMPTS)
+  assert [f[: len(i)] for f, i in zip(full, seen, strict=True)] == seen
