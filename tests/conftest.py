@@ -1,4 +1,7 @@
-"""Shared test set-up: GPU-only tests are skipped on the CPU."""
+"""Shared test set-up: GPU-only tests are skipped on the CPU; `load_script` for scripts/."""
+
+import importlib.util
+from pathlib import Path
 
 import jax
 import pytest
@@ -15,3 +18,17 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def load_script():
+  """`load_script(name)`: the module of `scripts/<name>.py` (the scripts are not a package)."""
+
+  def load(name: str):
+    path = Path(__file__).parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+  return load

@@ -48,18 +48,7 @@ def test_an_archive_without_manifest_is_refused(tmp_path):
     corpus.read_archive(path)
 
 
-def _build_corpus_script():
-  import importlib.util
-  from pathlib import Path
-
-  path = Path(__file__).parents[2] / "scripts" / "build_corpus.py"
-  spec = importlib.util.spec_from_file_location("build_corpus", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def test_a_wheel_gives_its_python_files_version_and_licence(tmp_path):
+def test_a_wheel_gives_its_python_files_version_and_licence(tmp_path, load_script):
   import hashlib
   import zipfile
 
@@ -74,7 +63,7 @@ def test_a_wheel_gives_its_python_files_version_and_licence(tmp_path):
       "demo_pkg-1.2.3.dist-info/METADATA",
       "Metadata-Version: 2.4\nName: demo-pkg\nVersion: 1.2.3\nLicense-Expression: BSD-3-Clause\n",
     )
-  described, sources = _build_corpus_script().wheel_sources(wheel)
+  described, sources = load_script("build_corpus").wheel_sources(wheel)
   assert described == {
     "version": "1.2.3",
     "licence": "BSD-3-Clause",

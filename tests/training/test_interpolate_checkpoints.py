@@ -1,9 +1,7 @@
 """`scripts/interpolate_checkpoints.py`: WiSE-FT weight interpolation between two checkpoints."""
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +13,9 @@ import jaxspec
 from jaxspec.__main__ import DEFAULT_MODEL
 
 
-def _script():
-  path = Path(__file__).parents[2] / "scripts" / "interpolate_checkpoints.py"
-  spec = importlib.util.spec_from_file_location("interpolate_checkpoints", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+@pytest.fixture(scope="module")
+def script(load_script):
+  return load_script("interpolate_checkpoints")
 
 
 def _leaves(model):
@@ -47,8 +42,7 @@ def tuned_dir(tmp_path_factory):
   return path
 
 
-def test_interpolate_weights_each_parameter_and_leaves_the_inputs_unchanged(tuned_dir):
-  script = _script()
+def test_interpolate_weights_each_parameter_and_leaves_the_inputs_unchanged(script, tuned_dir):
   base = jaxspec.load_pretrained(DEFAULT_MODEL, dtype=jnp.float32)
   tuned = jaxspec.load_pretrained(tuned_dir, dtype=jnp.float32)
   base_before, tuned_before = _leaves(base), _leaves(tuned)
@@ -64,9 +58,8 @@ def test_interpolate_weights_each_parameter_and_leaves_the_inputs_unchanged(tune
 
 
 def test_main_writes_a_checkpoint_of_the_interpolated_weights_with_the_base_tokenizer(
-  tuned_dir, tmp_path
+  script, tuned_dir, tmp_path
 ):
-  script = _script()
   out = tmp_path / "mixed"
   assert script.main([str(DEFAULT_MODEL), str(tuned_dir), "--alpha", "0.4", "--out", str(out)]) == 0
   assert (out / "tokenizer.json").read_bytes() == (DEFAULT_MODEL / "tokenizer.json").read_bytes()
@@ -79,8 +72,9 @@ def test_main_writes_a_checkpoint_of_the_interpolated_weights_with_the_base_toke
     np.testing.assert_allclose(w, e, rtol=2**-8, atol=1e-6)
 
 
-def test_main_refuses_checkpoints_of_different_models_and_a_bad_alpha(tuned_dir, tmp_path, capsys):
-  script = _script()
+def test_main_refuses_checkpoints_of_different_models_and_a_bad_alpha(
+  script, tuned_dir, tmp_path, capsys
+):
   other = tmp_path / "other"
   shutil.copytree(tuned_dir, other)
   config = json.loads((other / "config.json").read_text())
