@@ -812,12 +812,14 @@ def tune(rng, tuning, save, smoke=False, only=None):
   def label(name, q_len, fp8, group):
     return f"{name} q{q_len} G{group}" + (" fp8" if fp8 else "")
 
-  if only is not None:
-    by_label = {label(*sweep[:1], *sweep[2:5]): sweep for sweep in sweeps}
-    unknown = [name for name in only if name not in by_label]
+  if only is not None:  # every sweep of each label (a shape can have several), in that order
+    labels = [label(name, q_len, fp8, group) for name, _, q_len, fp8, group, _ in sweeps]
+    unknown = [name for name in only if name not in labels]
     if unknown:
-      raise ValueError(f"--only: no sweep labelled {unknown}; the sweeps are {list(by_label)}")
-    sweeps = [by_label[name] for name in only]
+      raise ValueError(f"--only: no sweep labelled {unknown}; the sweeps are {labels}")
+    sweeps = [
+      sweep for name in only for sweep, at in zip(sweeps, labels, strict=True) if at == name
+    ]
   timing = {"reps": 1, "warmup": 0} if smoke else {}
   for name, seq_lens, q_len, fp8, group, sweep in sweeps:
     batch = make_batch(rng, seq_lens, pad_to=8 if smoke else 128)
