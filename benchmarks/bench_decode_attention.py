@@ -135,10 +135,11 @@ class Batch:
     return [(q, *self.pages(i)) for i, q in enumerate(queries)]
 
 
-def cold_copies(kv_bytes: int) -> int:
-  """Copies of the pages so that consecutive calls read ``COLD_READ_BYTES`` before one copy
-  comes round again (1 where the KV alone is that large)."""
-  return int(min(MAX_CALLS_PER_PROGRAM, -(-COLD_READ_BYTES // max(kv_bytes, 1))))
+def cold_copies(k_pages, v_pages, kv_bytes: int) -> tuple:
+  """Further (K, V) copies of the pages, so that consecutive calls read ``COLD_READ_BYTES``
+  before one copy comes round again (none where the KV alone is that large)."""
+  count = int(min(MAX_CALLS_PER_PROGRAM, -(-COLD_READ_BYTES // max(kv_bytes, 1))))
+  return tuple((jnp.copy(k_pages), jnp.copy(v_pages)) for _ in range(count - 1))
 
 
 def make_batch(rng, seq_lens, head_dim=HEAD_DIM, pad_to=128) -> Batch:
@@ -156,7 +157,7 @@ def make_batch(rng, seq_lens, head_dim=HEAD_DIM, pad_to=128) -> Batch:
   shape = (NUM_KV_HEADS, num_pages, PAGE_SIZE, head_dim)
   kv_bytes = int(seq_lens.sum()) * NUM_KV_HEADS * head_dim * 2 * jnp.dtype(DTYPE).itemsize
   k_pages, v_pages = jax.random.normal(key_k, shape, DTYPE), jax.random.normal(key_v, shape, DTYPE)
-  copies = tuple((jnp.copy(k_pages), jnp.copy(v_pages)) for _ in range(cold_copies(kv_bytes) - 1))
+  copies = cold_copies(k_pages, v_pages, kv_bytes)
   return Batch(seq_lens, k_pages, v_pages, jnp.asarray(block_tables), kv_bytes, page_copies=copies)
 
 
@@ -170,9 +171,7 @@ def to_fp8(batch: Batch) -> Batch:
 
   (k_pages, k_scale), (v_pages, v_scale) = quantise(batch.k_pages), quantise(batch.v_pages)
   # The copies hold the same values, hence the same scales; half the bytes, so twice as many.
-  copies = tuple(
-    (jnp.copy(k_pages), jnp.copy(v_pages)) for _ in range(cold_copies(batch.kv_bytes // 2) - 1)
-  )
+  copies = cold_copies(k_pages, v_pages, batch.kv_bytes // 2)
   return dataclasses.replace(
     batch,
     k_pages=k_pages,
