@@ -286,16 +286,20 @@ def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
     routed_experts(*args, impl="pallas", interpret=True, config=too_deep)
 
 
-def test_route_plan_covers_every_route_once():
+@pytest.mark.parametrize("planner", ["compare", "sort"])
+def test_route_plan_covers_every_route_once(planner, monkeypatch):
   rng = np.random.default_rng(5)
   num_experts, block_m = 16, 64
   ids = _skewed_ids(rng, 90, 3, num_experts)
   ids[4, 1] = -1  # dropped
+  ids[7, 2] = num_experts  # dropped
+  threshold = ids.size if planner == "compare" else ids.size - 1
+  monkeypatch.setattr(mosaic_gpu, "COMPARE_PLAN_MAX_ROUTES", threshold)
   rows = mosaic_gpu.route_rows(ids.size, num_experts)
   plan = mosaic_gpu.plan_routes(jnp.asarray(ids, jnp.int32), num_experts, block_m, rows)
   route_of_row, position = np.asarray(plan.route_of_row), np.asarray(plan.position)
   valid = np.asarray(plan.valid)
-  assert valid.sum() == ids.size - 1 and not valid[4 * 3 + 1]
+  assert valid.sum() == ids.size - 2 and not valid[4 * 3 + 1] and not valid[7 * 3 + 2]
   np.testing.assert_array_equal(route_of_row[position[valid]], np.flatnonzero(valid))
   assert (route_of_row >= 0).sum() == valid.sum()
   num_tiles = int(plan.num_tiles[0])
@@ -311,7 +315,27 @@ def test_route_plan_covers_every_route_once():
     covered[start : start + count] = e
   routed = route_of_row >= 0
   np.testing.assert_array_equal(covered[routed], ids.reshape(-1)[route_of_row[routed]])
-  assert set(expert[:num_tiles]) == set(ids[ids >= 0].reshape(-1))  # empty experts: no tile
+  in_range = (ids >= 0) & (ids < num_experts)
+  assert set(expert[:num_tiles]) == set(ids[in_range].reshape(-1))  # empty experts: no tile
+
+
+def test_route_plans_by_comparing_and_by_sorting_agree(monkeypatch):
+  # Random routings with ids out of range on both sides, several expert counts and tile sizes.
+  rng = np.random.default_rng(11)
+  for num_tokens, top_k, num_experts in [(1, 8, 128), (5, 2, 8), (64, 8, 160), (37, 1, 16)]:
+    ids = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :top_k]
+    ids[rng.random(ids.shape) < 0.1] = -2
+    ids[rng.random(ids.shape) < 0.1] = num_experts + 1
+    ids = jnp.asarray(ids, jnp.int32)
+    rows = mosaic_gpu.route_rows(ids.size, num_experts)
+    for block_m in (64, 128):
+      plans = []
+      for threshold in (ids.size, ids.size - 1):  # compare, then sort
+        monkeypatch.setattr(mosaic_gpu, "COMPARE_PLAN_MAX_ROUTES", threshold)
+        plans.append(mosaic_gpu.plan_routes(ids, num_experts, block_m, rows))
+      for field in dataclasses.fields(mosaic_gpu.RoutePlan):
+        compared, sorted_ = (np.asarray(getattr(plan, field.name)) for plan in plans)
+        np.testing.assert_array_equal(compared, sorted_, err_msg=field.name)
 
 
 GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}
