@@ -781,9 +781,9 @@ def tune(rng, tuning, save, smoke=False, only=None):
       (1, 128, None, 4),
     ]
   ]
-  fp8_configs = [  # ring depth (3 is the default at D 128) and the fp8 register layout
+  fp8_configs = [  # ring depth (2, three items per SM, is the default at D 128), register layout
     *(TuningConfig(num_stages=s, balance_waves=4) for s in (2, 3, 4)),
-    TuningConfig(num_stages=3, balance_waves=4, fp8_8bit_layout=True),
+    TuningConfig(num_stages=2, balance_waves=4, fp8_8bit_layout=True),
   ]
   # The merge and row unpacking in one kernel (off by default) on shapes that split the KV.
   default = default_config(HEAD_DIM, PAGE_SIZE)

@@ -273,6 +273,15 @@ def test_tuning_config_is_validated(field, value):
     TuningConfig(**{field: value})
 
 
+@pytest.mark.parametrize("head_dim, stages", [(128, 2), (64, 6)])
+def test_fp8_default_config_keeps_three_items_per_sm(head_dim, stages):
+  config = default_config(head_dim, 16, FP8)
+  assert config.num_stages == stages and config.fp8_8bit_layout
+  item = mosaic_gpu.smem_bytes(head_dim, config, kv_itemsize=1)
+  assert 3 * item <= mosaic_gpu._SMEM_PER_SM < 4 * item
+  assert not default_config(head_dim, 16, BF16).fp8_8bit_layout
+
+
 # ---------------------------------------------------------------------------------------------
 # Host-side checks: every wrong type, shape, dtype or value is a TypeError / ValueError naming
 # the argument, raised before any device work.
@@ -576,6 +585,49 @@ def test_fp8_scale_float_equals_scale_array_and_arrays_are_traced():
   check(attend(inputs.k_scale, inputs.v_scale), inputs)
   check(attend(2 * inputs.k_scale, inputs.v_scale), inputs._replace(k_scale=2 * inputs.k_scale))
   assert len(traces) == 1, "a new scale array must not retrace"
+
+
+def test_fp8_queries_go_to_float16_exactly_per_tile():
+  # Magnitudes from bf16's smallest normals to its largest finite values, one range per 64-row
+  # tile; the last tile also holds NaN and inf, which must stay NaN and inf and leave the
+  # tile's other values exact.
+  rng = np.random.default_rng(4)
+  exponents = np.array([-118, -60, -10, 0, 30, 127])
+  q = rng.standard_normal((1, 2, 64 * len(exponents), 64)) * 0.5
+  q = (q.reshape(1, 2, len(exponents), 64, 64) * 2.0 ** exponents[:, None, None]).reshape(q.shape)
+  special = jnp.array([jnp.nan, jnp.inf], BF16)
+  q = jnp.asarray(q, jnp.float32).astype(BF16).at[0, 1, -1, :2].set(special)
+  q16, scale = mosaic_gpu._to_float16_tiles(q)
+  assert q16.dtype == F16 and scale.shape == (1, 2, len(exponents))
+  assert np.all(np.log2(np.asarray(scale)) % 1 == 0)  # powers of two
+  back = np.asarray(q16, np.float64).reshape(1, 2, -1, 64, 64) * np.asarray(scale)[..., None, None]
+  back = back.reshape(q.shape)
+  want = np.asarray(q.astype(F32), np.float64)
+  want[np.abs(want) < np.finfo(np.float32).tiny] = 0.0  # subnormals count as 0, as in XLA
+  finite = np.isfinite(want)
+  largest = np.abs(np.where(finite, want, 0)).reshape(1, 2, -1, 64 * 64).max(-1)
+  error = np.abs(np.where(finite, back, 0.0) - np.where(finite, want, 0.0))
+  tile_error = error.reshape(1, 2, -1, 64 * 64).max(-1)
+  # Exact but for values under 2^-29 of their tile's largest (float16 subnormals).
+  assert np.all(tile_error <= 2.0**-40 * largest)
+  assert np.isnan(back[0, 1, -1, 0]) and np.isinf(back[0, 1, -1, 1])
+  assert np.isfinite(back[finite]).all()
+
+
+@pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
+@pytest.mark.parametrize("exponent", [-40, 40])
+def test_fp8_pages_serve_queries_of_any_bf16_magnitude(exponent, interpret):
+  # q * 2^e with k_scale * 2^-e gives the same logits: float16 staging must neither overflow
+  # (2^40 is past float16's 65504) nor lose the small queries' bits.
+  inputs = make_inputs(np.random.default_rng(6), [70, 9], 3, 2, 4, 64, 16, BF16, fp8=True)
+  scaled = inputs._replace(
+    q=(inputs.q.astype(F32) * 2.0**exponent).astype(BF16), k_scale=inputs.k_scale * 2.0**-exponent
+  )
+  config = TuningConfig(num_stages=2, num_chunks=2)
+  out = paged_decode_attention(
+    *scaled.arrays, impl="pallas", interpret=interpret, config=config, **scaled.scales
+  )
+  check(out, scaled)
 
 
 # ---------------------------------------------------------------------------------------------

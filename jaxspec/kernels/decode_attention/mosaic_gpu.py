@@ -55,12 +55,21 @@ only the last blocks of a request do, as before, and the others run the
 unmasked step.
 
 fp8 pages (``float8_e4m3fn``): TMA copies the fp8 blocks (half the bytes of
-bf16) into the ring; each step converts its K and V block into a 16-bit
-staging block in q's dtype (exact: e4m3 values are bf16/fp16 values), on which
-the ``wgmma``s run, and the slot is refilled right after. The real value is
-``stored * scale`` per KV head, so ``k_scale`` joins the score scale and
-``v_scale`` the output's ``1 / l`` (exact up to float32 rounding: per-head
-scalars factor out of both matmuls).
+bf16) into the ring. Each step converts its K block into a float16 staging
+block (exact: every e4m3 value is a float16 value, and e4m3 -> f16 is one
+``cvt`` per pair, where bf16 would go through float32), runs ``Q K^T`` on it,
+then converts its V block into the same staging block for ``P V`` (reading the
+``Q K^T`` accumulator has waited for that wgmma), and refills the slot: one
+staging block keeps a work item small enough for three per SM. The wgmmas
+then run in float16, so q is given to the kernel in float16, scaled per row
+tile by a power of two ``s`` that maps the tile's largest magnitude below
+2^15: exact for every bf16 value within 2^29 of that maximum (smaller ones
+lose bits only below 2^-40 of it), and no bf16 value overflows. P is float16
+(in [0, 1], three more bits than bf16). The real value is ``stored * scale``
+per KV head, so ``k_scale * s`` joins the score scale; the output tile is
+``P V / l`` in float16 (a convex combination of e4m3 values, |.| <= 448) and
+``v_scale`` multiplies it after the chunk merge, in float32 (per-head scalars
+factor out of both matmuls and of the merge).
 
 Numerics: K positions a row must not see are masked with ``where`` to -inf,
 and V rows past the request's length are zeroed in shared memory before
@@ -92,6 +101,9 @@ _SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on Hopper
 _LOG2E = math.log2(math.e)
 BALANCED_MAX_CHUNKS = 16  # chunks per request at most with balance_waves, unless num_chunks says
 DEFAULT_BALANCE_WAVES = 4
+# fp8 work items per SM that default_config sizes the ring for: each step's conversions sit on
+# its single warpgroup's critical path, so more resident items hide more of them.
+FP8_ITEMS_PER_SM = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +135,8 @@ class TuningConfig:
       instead of XLA's merge fusions and row transpose. Off by default until measured.
     fp8_8bit_layout: fp8 pages: load each fp8 block into registers in the 8-bit wgmma layout
       (4 consecutive bytes per thread and vector: half the shared-memory loads, and 8-byte
-      stores of the converted values) instead of the 16-bit one (2 bytes). Off by default until
-      measured.
+      stores of the converted values) instead of the 16-bit one (2 bytes). ``default_config``
+      turns it on for fp8 pages (H200, B64 L32k q7: 2% and 4% faster in two runs).
   """
 
   block_kv: int = 64
@@ -164,8 +176,9 @@ def default_config(head_dim: int, page_size: int, kv_dtype=jnp.bfloat16) -> Tuni
   (1k..32k positions, q_len 7) in 1124 us against 1375 us with per-request
   chunks, and 64 requests of 32k in 1953 against 1930 us (tuning sweep in
   benchmarks/results/decode_attention.md). fp8 pages halve the ring's bytes per
-  stage but add two 16-bit staging blocks; their ring gets as many stages (at
-  most 8) as keep two work items per SM (not yet tuned on the GPU).
+  stage but add a float16 staging block; their ring gets as many stages (at
+  most 8) as keep ``FP8_ITEMS_PER_SM`` work items on an SM (B64 L32k q7: 2 stages,
+  three items, 2170 us; 3 stages, two items, 2296 us), and load in the 8-bit layout.
   """
   block_kv = max(64, page_size)
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
@@ -173,19 +186,20 @@ def default_config(head_dim: int, page_size: int, kv_dtype=jnp.bfloat16) -> Tuni
   ring_budget = 64 * 1024
   if kv_itemsize == 1:
     rest = smem_bytes(head_dim, TuningConfig(block_kv=block_kv, num_stages=1), kv_itemsize=1)
-    ring_budget = min(ring_budget, _SMEM_PER_SM // 2 - (rest - block_bytes))
+    ring_budget = min(ring_budget, _SMEM_PER_SM // FP8_ITEMS_PER_SM - (rest - block_bytes))
   return TuningConfig(
     block_kv=block_kv,
     num_stages=max(2, min(8, ring_budget // block_bytes)),
     balance_waves=DEFAULT_BALANCE_WAVES,
+    fp8_8bit_layout=kv_itemsize == 1,
   )
 
 
 def smem_bytes(head_dim: int, config: TuningConfig, warpgroups: int = 1, kv_itemsize=2) -> int:
-  """Shared memory of one work item: the K/V ring (and, for fp8 pages, one 16-bit K and V
-  block to convert into), and per warpgroup its Q/output and P tiles."""
+  """Shared memory of one work item: the K/V ring (and, for fp8 pages, the float16 block K and
+  then V is converted into), and per warpgroup its Q/output and P tiles."""
   ring = 2 * config.num_stages * config.block_kv * head_dim * kv_itemsize
-  staging = 2 * config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
+  staging = config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
   rows = warpgroups * ROWS_PER_TILE
   return ring + staging + rows * (head_dim + config.block_kv) * 2 + rows * 4
 
@@ -269,6 +283,7 @@ def paged_decode_attention_mosaic_gpu(
   group = num_q_heads // num_kv_heads
   dtype = q.dtype
   fp8 = k_pages.dtype == FP8_DTYPE
+  compute_dtype = jnp.dtype(jnp.float16) if fp8 else dtype  # Q, P, staging and output tiles
   block_kv, num_stages = config.block_kv, config.num_stages
   pages_per_block = block_kv // page_size
   num_rows = q_len * group
@@ -308,6 +323,8 @@ def paged_decode_attention_mosaic_gpu(
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
   q_packed = q_packed.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
   q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
+  if fp8:
+    q_packed, q_scale = _to_float16_tiles(q_packed)  # q_scale: f32 [B, Hkv, row_tiles]
 
   def paged_attention_kernel(
     block_tables_ref,  # GMEM int32 [B, max_pages]
@@ -316,12 +333,12 @@ def paged_decode_attention_mosaic_gpu(
     *refs,
   ):
     if fp8:
-      k_scale_ref, v_scale_ref, *refs = refs  # GMEM f32 [Hkv]
+      k_scale_ref, q_scale_ref, *refs = refs  # GMEM f32 [Hkv], f32 [B, Hkv, row_tiles]
     (
-      q_ref,  # GMEM [B, Hkv, padded_rows, D]
+      q_ref,  # GMEM [B, Hkv, padded_rows, D], compute_dtype
       k_ref,  # GMEM [Hkv, num_pages, page_size, D]
       v_ref,  # GMEM [Hkv, num_pages, page_size, D]
-      out_ref,  # GMEM [B * num_chunks, Hkv, padded_rows, D]
+      out_ref,  # GMEM [B * num_chunks, Hkv, padded_rows, D], compute_dtype
       lse_ref,  # GMEM f32 [B * num_chunks, Hkv, padded_rows]
       qo_smem,  # [(warpgroups,) 64, D], Q tile, then the output tile
       k_smem,  # [num_stages, block_kv, D], pages' dtype
@@ -331,7 +348,7 @@ def paged_decode_attention_mosaic_gpu(
       q_barrier,  # [(warpgroups,)]
       k_barriers,  # [num_stages], one arrival per page copy
       v_barriers,
-      *extra_scratch,  # fp8: K and V staging blocks; two warpgroups: consumed, v_zeroed
+      *extra_scratch,  # fp8: the staging block; two warpgroups: consumed, v_zeroed
     ) = refs
     kv_head = lax.axis_index("kv_head")
     row_tile = lax.axis_index("row_tile")
@@ -340,10 +357,10 @@ def paged_decode_attention_mosaic_gpu(
     chunk = lax.rem(item, num_chunks)
     row_base = row_tile * rows_per_tile
     if fp8:
-      k_staging, v_staging = extra_scratch  # [block_kv, D] in q's dtype
-      # Real K = stored K * k_scale: the scale joins the score scale; V's joins the output's.
-      qk_scale = k_scale_ref[kv_head] * base_qk_scale
-      out_scale = v_scale_ref[kv_head]
+      (staging,) = extra_scratch  # f16 [block_kv, D]: the step's K block, then its V block
+      # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
+      q_scale = q_scale_ref[lax.div(item, num_chunks), kv_head, row_tile]
+      qk_scale = k_scale_ref[kv_head] * q_scale * base_qk_scale
     else:
       qk_scale = base_qk_scale
     if warpgroups > 1:
@@ -435,14 +452,12 @@ def paged_decode_attention_mosaic_gpu(
       v_block[...] = jnp.where(attendable(positions, block, pages_in_pool), values, 0)
       plgpu.commit_smem()  # make the stores visible to the tensor cores
 
-    def to_staging(src, dst, keep=None):
-      """fp8 block -> registers -> q's dtype (exact) -> staging block for wgmma."""
+    def to_staging(src, keep=None):
+      """fp8 block -> registers -> float16 (exact, one cvt per pair) -> the staging block."""
       values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
-      if dtype != jnp.float16:  # e4m3 -> f16 is one instruction; f16 -> bf16 goes via f32
-        values = values.astype(jnp.float32).astype(dtype)
       if keep is not None:
         values = jnp.where(keep, values, 0)
-      dst[...] = values
+      staging[...] = values
 
     def block_step(i, carry, *, masked, pages_in_pool):
       acc, m_i, l_i = carry
@@ -451,9 +466,9 @@ def paged_decode_attention_mosaic_gpu(
       refill = i + num_stages
       plgpu.barrier_wait(k_barriers.at[slot])
       if fp8:
-        to_staging(k_smem.at[slot], k_staging)
+        to_staging(k_smem.at[slot])
         plgpu.commit_smem()
-        k_block, v_block = k_staging, v_staging
+        k_block, v_block = staging, staging  # V is converted once Q K^T is complete
       else:
         k_block, v_block = k_smem.at[slot], v_smem.at[slot]
 
@@ -485,7 +500,7 @@ def paged_decode_attention_mosaic_gpu(
         if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
           positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
           keep = attendable(positions, block, pages_in_pool)
-        to_staging(v_smem.at[slot], v_staging, keep)
+        to_staging(v_smem.at[slot], keep)  # reading qk above waited for the Q K^T wgmma
       elif masked:
         needs_zeroing = ((block + 1) * block_kv > kv_len) | jnp.logical_not(_all(pages_in_pool))
 
@@ -506,7 +521,7 @@ def paged_decode_attention_mosaic_gpu(
 
       # P goes through shared memory: the wgmma A operand is read from there
       # (the GPU interpreter only models that form).
-      p_smem[...] = p.astype(dtype)
+      p_smem[...] = p.astype(compute_dtype)
       plgpu.commit_smem()  # also orders this step's reads of the slot before its refill
       if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
@@ -564,10 +579,8 @@ def paged_decode_attention_mosaic_gpu(
     # it must reach the output as on the XLA path, not pass for "saw nothing".
     seen = l_i != 0.0
     inv_l = 1.0 / jnp.where(seen, l_i, 1.0)
-    if fp8:
-      inv_l = inv_l * out_scale  # real V = stored V * v_scale
     acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-    qo_smem[...] = acc.astype(dtype)
+    qo_smem[...] = acc.astype(compute_dtype)
     lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
     plgpu.commit_smem()
     tile = pl.ds(row_base, ROWS_PER_TILE)
@@ -583,25 +596,25 @@ def paged_decode_attention_mosaic_gpu(
     kv_transforms = transforms
   per_warpgroup = (warpgroups,) if warpgroups > 1 else ()
   scratch = [
-    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
+    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, head_dim), compute_dtype, transforms=transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
-    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, block_kv), dtype, transforms=transforms),
+    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, block_kv), compute_dtype, transforms=transforms),
     plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE), jnp.float32),
     plgpu.Barrier(num_barriers=warpgroups) if warpgroups > 1 else plgpu.Barrier(),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
   ]
-  if fp8:  # K and V staging blocks in q's dtype
-    scratch += [plgpu.SMEM((block_kv, head_dim), dtype, transforms=transforms)] * 2
+  if fp8:  # the float16 staging block
+    scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
   if warpgroups > 1:
     scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]  # consumed, v_zeroed
   num_items = batch * num_chunks
   out_type = (
-    jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), dtype),
+    jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), compute_dtype),
     jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows), jnp.float32),
   )
-  scales = (k_scale, v_scale) if fp8 else ()
+  scales = (k_scale, q_scale) if fp8 else ()
   partial_out, partial_lse = plgpu.kernel(
     paged_attention_kernel,
     out_type=out_type,
@@ -615,15 +628,42 @@ def paged_decode_attention_mosaic_gpu(
   )(block_tables, seq_lens, chunk_lengths, *scales, q_packed, k_pages, v_pages)
 
   if num_chunks > 1 and config.merge_kernel:
-    return merge_chunks_mosaic_gpu(
+    out = merge_chunks_mosaic_gpu(
       partial_out, partial_lse, num_chunks=num_chunks, q_len=q_len, group=group, interpret=interpret
-    )
-  out = merge_chunks(
-    partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
-    partial_lse.reshape(batch, num_chunks, num_kv_heads, padded_rows),
-  )  # [B, Hkv, padded_rows, D]
-  out = out[:, :, :num_rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
-  return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
+    )  # [B, q_len, Hq, D]
+  else:
+    out = merge_chunks(
+      partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
+      partial_lse.reshape(batch, num_chunks, num_kv_heads, padded_rows),
+    )  # [B, Hkv, padded_rows, D]
+    out = out[:, :, :num_rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
+  if fp8:  # real V = stored V * v_scale, per KV head
+    out = out.astype(jnp.float32) * jnp.repeat(v_scale, group)[:, None]
+  return out.astype(dtype)
+
+
+def _to_float16_tiles(
+  q_packed: jax.Array,  # [B, Hkv, R, D], bf16 or f16, R a multiple of ROWS_PER_TILE
+) -> tuple[jax.Array, jax.Array]:  # f16 [B, Hkv, R, D], f32 [B, Hkv, R / ROWS_PER_TILE]
+  """``q / s`` in float16 with ``s`` a power of two per 64-row tile, and ``s``.
+
+  ``s = 2^(e - 15)`` where the tile's largest finite magnitude is below ``2^e``, so every
+  finite value of ``q / s`` is below 2^15 (float16 reaches 65504) and, within 2^29 of the
+  maximum, above float16's smallest normal 2^-14: those are converted exactly; smaller ones
+  round at 2^-24, an error below 2^-40 of the maximum. NaN and inf stay NaN and inf without
+  changing the tile's scale (the other rows of the tile are unaffected). bf16 subnormals
+  count as 0, as in XLA's float32 arithmetic.
+  """
+  batch, num_kv_heads, rows, head_dim = q_packed.shape
+  tiles = q_packed.astype(jnp.float32).reshape(batch, num_kv_heads, -1, ROWS_PER_TILE, head_dim)
+  magnitude = jnp.where(jnp.isfinite(tiles), jnp.abs(tiles), 0.0)
+  largest = jnp.max(magnitude, axis=(3, 4))  # [B, Hkv, row_tiles]
+  _, exponent = jnp.frexp(largest)  # largest = m * 2^exponent, 0.5 <= m < 1
+  # Tiles of subnormal values keep a normal float32 scale (their q / s is then tiny, not inf).
+  scale = jnp.ldexp(jnp.float32(1.0), jnp.maximum(exponent, -100) - 15)
+  scaled = tiles / scale[..., None, None]
+  return scaled.astype(jnp.float16).reshape(q_packed.shape), scale
 
 
 def _all(flags):
