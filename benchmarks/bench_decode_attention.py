@@ -875,10 +875,13 @@ def render_markdown(meta, rows, tuning):
     "Ours runs its default tuning: "
     + ", ".join(f"{k}={v}" for k, v in meta.get("default_config", {}).items())
     + " (fp8 pages: "
-    + ", ".join(
-      f"{k}={v}"
-      for k, v in meta.get("default_config_fp8", {}).items()
-      if meta["default_config"].get(k) != v
+    + (
+      ", ".join(
+        f"{k}={v}"
+        for k, v in meta.get("default_config_fp8", {}).items()
+        if meta["default_config"].get(k) != v
+      )
+      or "the same"
     )
     + "). Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
     "faster). 'diff vs XLA' is the largest |ours - XLA reference| on the first input over the "
