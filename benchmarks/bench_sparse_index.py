@@ -23,6 +23,9 @@ served from L2 by the previous call):
 Effective bandwidth counts the bytes that must move: top-k read plus physical slots written
 (8 * T * K) plus request ids and counts (8 * T); the block-table rows (L2-resident) are left out,
 as in the issue's 14.9 us floor at T = 4096, K = 2048.
+At T = 4096, K = 2048 the same run also times a *copy ceiling*: XLA reading the top-k and
+writing an int32 array of its shape in one fused elementwise kernel, the conversion's traffic
+without its lookups, so the kernel can be judged against what this GPU does for such traffic.
 
 Usage: ``python benchmarks/bench_sparse_index.py [--out DIR] [--target-only] [--table-only]``;
 about 3 minutes on an H200. ``--target-only`` times T = 4096, K = 2048 only (under a minute) and
@@ -128,11 +131,31 @@ def wall_us(fn, sets):
   return (time.perf_counter() - start) * 1e6
 
 
+def copy_program(copies):
+  """One jitted program that reads each set's top-k and writes an int32 array of its shape (one
+  fused elementwise kernel per set): the top-k traffic of a conversion, with no lookup."""
+  return jax.jit(lambda sets: [jnp.bitwise_xor(inputs[2], 1) for inputs in sets[:copies]])
+
+
 def time_contender(kwargs, sets, want, name):
   single, double = program(kwargs, SETS), program(kwargs, 2 * SETS)
   physical, counts = single(sets)[0]
   np.testing.assert_array_equal(np.asarray(physical), want[0], err_msg=name)
   np.testing.assert_array_equal(np.asarray(counts), want[1], err_msg=name)
+  return time_programs(single, double, sets, name)
+
+
+def time_copy_ceiling(sets, num_tokens, topk_size):
+  """CUPTI time of XLA's read-and-write of the top-k bytes alone (see ``copy_program``)."""
+  single, double = copy_program(SETS), copy_program(2 * SETS)
+  copied = np.asarray(single(sets)[0])
+  np.testing.assert_array_equal(copied, np.asarray(sets[0][2]) ^ 1, err_msg="copy")
+  entry = time_programs(single, double, sets, "copy")
+  entry["effective_TBps"] = 8 * num_tokens * topk_size / entry["kernel_us"] / 1e6
+  return entry
+
+
+def time_programs(single, double, sets, name):
   jax.block_until_ready(double(sets))  # warm-up: compilation and first launch
   try:
     _, per_kernel = profiler.measure(single, aggregate=False)(sets)
@@ -156,6 +179,9 @@ def bench_shape(rng, num_tokens, topk_size):
   want = numpy_reference(*host_sets[0])
   moved_bytes = 8 * num_tokens * topk_size + 8 * num_tokens
   row = {"tokens": num_tokens, "topk": topk_size, "moved_bytes": moved_bytes}
+  if (num_tokens, topk_size) == TARGET:
+    row["copy_ceiling"] = time_copy_ceiling(sets, num_tokens, topk_size)
+    print(f"T={num_tokens:5d} K={topk_size:5d} copy ceiling: {row['copy_ceiling']}", flush=True)
   for name, kwargs in contenders_for(topk_size).items():
     started = time.perf_counter()
     entry = time_contender(kwargs, sets, want, name)
@@ -226,6 +252,16 @@ def markdown(result):
       f"| {row['xla']['kernel_us']:.1f} | {row[DEFAULT]['kernel_us']:.1f} | {best} | "
       f"{row[best]['kernel_us']:.1f} |"
     )
+  for row in rows:
+    if ceiling := row.get("copy_ceiling"):
+      lines += [
+        "",
+        f"Copy ceiling at T = {row['tokens']}, K = {row.get('topk', TOPK)}: XLA reading the top-k "
+        f"and writing an int32 array of its shape (one fused elementwise kernel, the same "
+        f"{8 * row['tokens'] * row.get('topk', TOPK) / 1e6:.1f} MB with no lookup) takes "
+        f"{ceiling['kernel_us']:.1f} us ({ceiling['effective_TBps']:.2f} TB/s); the default "
+        f"kernel takes {row[DEFAULT]['kernel_us'] / ceiling['kernel_us']:.2f}x that.",
+      ]
   return "\n".join(lines) + "\n"
 
 
