@@ -69,8 +69,8 @@ MAX_ACC_ELEMENTS = 128 * 128
 # Mean routes per expert from which default_config takes 128-row two-warpgroup tiles: measured
 # gains at 128 (GLM-4.5-Air, 2048 tokens), none at 24; GLM-4.5 at 2048 tokens has 102.
 PREFILL_ROUTES_PER_EXPERT = 96
-# Routes up to which plan_routes compares all pairs instead of sorting (64 tokens x top-8, and
-# short verify steps): its [rows, T * k] comparison grows quadratically.
+# Routes up to which plan_routes compares all pairs instead of sorting (128 tokens at top-8:
+# decode batches and short verify steps): its [rows, T * k] comparison grows quadratically.
 COMPARE_PLAN_MAX_ROUTES = 1024
 
 
