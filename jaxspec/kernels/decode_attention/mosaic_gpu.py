@@ -359,7 +359,7 @@ def paged_decode_attention_mosaic_gpu(
     if fp8:
       (staging,) = extra_scratch  # f16 [block_kv, D]: the step's K block, then its V block
       # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
-      q_scale = q_scale_ref[lax.div(item, num_chunks), kv_head, row_tile]
+      q_scale = q_scale_ref[request, kv_head, row_tile]
       qk_scale = k_scale_ref[kv_head] * q_scale * base_qk_scale
     else:
       qk_scale = base_qk_scale
