@@ -241,9 +241,10 @@ def generate(args) -> dict:
   parser = args.command_parser
   directory, config, tokenizer = _checked_model_dir(parser, args.model)
   sampling = _sampling(parser, directory, args, config.vocab_size)
-  prompt_ids = tokenizer.encode(args.prompt)
-  if not prompt_ids:
+  if not tokenizer.encode(args.prompt):
     parser.error("--prompt encodes to no tokens")
+  # With the special tokens the checkpoint's tokenizer adds (the default model: a document start).
+  prompt_ids = tokenizer.encode_prompt(args.prompt)
   if len(prompt_ids) + args.max_new_tokens > config.max_position_embeddings:
     parser.error(
       f"--max-new-tokens {args.max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the "
@@ -287,7 +288,8 @@ def generate(args) -> dict:
 
 def _print_report(result) -> None:
   print(f"model: {result['model']}")
-  print(f"{result['prompt']}{result['text']}")
+  text = f"{result['prompt']}{result['text']}"
+  print(text, end="" if text.endswith("\n") else "\n")  # a text ending its line: no blank line
   sampling = result["sampling"]
   if sampling["temperature"] == 0:
     decoding = "greedy"

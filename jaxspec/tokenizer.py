@@ -11,6 +11,8 @@ from tokenizers import decoders
 class Tokenizer(Protocol):
   def encode(self, text: str) -> list[int]: ...
 
+  def encode_prompt(self, text: str) -> list[int]: ...
+
   def decode(self, ids: list[int]) -> str: ...
 
 
@@ -21,6 +23,9 @@ class ByteTokenizer:
 
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+  def encode_prompt(self, text: str) -> list[int]:
+    return self.encode(text)
 
   def decode(self, ids: list[int]) -> str:
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -54,7 +59,13 @@ class HfTokenizer:
     return self._tokenizer.get_vocab_size()
 
   def encode(self, text: str) -> list[int]:
+    """The text's tokens alone (a piece of a stream: no special tokens added)."""
     return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+  def encode_prompt(self, text: str) -> list[int]:
+    """A prompt's tokens, with the special tokens the tokenizer's post-processor puts around a
+    sequence (Hugging Face's `tokenizer(text)`), e.g. the default model's document start."""
+    return self._tokenizer.encode(text, add_special_tokens=True).ids
 
   def decode(self, ids: list[int]) -> str:
     return self._tokenizer.decode(ids, skip_special_tokens=True)

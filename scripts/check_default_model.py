@@ -106,7 +106,13 @@ def demo_continuations(
     )
     return out.tokens
 
-  return healed_demo_quality(tokenizer, model.config.vocab_size, continue_prompts, prompt_texts)
+  return healed_demo_quality(
+    tokenizer,
+    model.config.vocab_size,
+    continue_prompts,
+    prompt_texts,
+    stop_token_ids=model.config.eos_token_ids,
+  )
 
 
 def _print_samples(title: str, report: dict) -> None:

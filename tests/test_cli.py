@@ -79,6 +79,23 @@ def test_speculative_generate_with_compare_reports_both_paths(capsys):
   assert result["repeats"] == 3
 
 
+def test_generate_starts_the_prompt_as_a_document(monkeypatch):
+  import jaxspec.__main__ as cli_main
+
+  seen = []
+  warm_engine = cli_main._warm_engine
+
+  def recording(model, ids, *args):
+    seen.append(ids)
+    return warm_engine(model, ids, *args)
+
+  monkeypatch.setattr(cli_main, "_warm_engine", recording)
+  argv = ["generate", "--prompt", "def f(x):", "--max-new-tokens", "2", "--repeats", "1"]
+  assert main([*argv, "--spec-tokens", "0", "--no-token-healing", "--json"]) == 0
+  # The embedded tokenizer puts <|endoftext|> (id 0), the training stream's file separator, first.
+  assert seen == [[0, *load_tokenizer(DEFAULT_MODEL).encode("def f(x):")]]
+
+
 def test_generate_heals_the_prompt_boundary_unless_told_not_to(capsys):
   prompt = 'def is_prime(n):\n    """Return True if n is a prime number."""\n'
   # Plain and speculative engines under the same mask: tests/serving/test_token_healing.py.
@@ -89,7 +106,7 @@ def test_generate_heals_the_prompt_boundary_unless_told_not_to(capsys):
   assert healed["token_healing"] == "\n"
   # The first new token re-covers the removed newline, which is printed once, with the prompt.
   tokenizer = load_tokenizer(DEFAULT_MODEL)
-  healed_ids = tokenizer.encode(prompt)[:-1]
+  healed_ids = tokenizer.encode_prompt(prompt)[:-1]
   assert prompt + healed["text"] == tokenizer.decode(healed_ids + healed["tokens"])
   _print_report(healed)
   out, err = capsys.readouterr()

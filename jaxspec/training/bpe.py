@@ -2,15 +2,17 @@
 
 Byte-level BPE (as GPT-2 introduced it and GLM checkpoints ship it): text is mapped to bytes,
 split by the GPT-2 pre-tokenizer regex, and merges are learned over byte pairs, so every string
-encodes and decodes losslessly. The one special token, `<|endoftext|>` (id 0), separates files in
-the token stream and is the checkpoint's end-of-sequence token.
+encodes and decodes losslessly. The one special token, `<|endoftext|>` (id 0), separates documents
+in the token stream and is the checkpoint's end-of-sequence token; the post-processor also puts it
+before a prompt (`add_special_tokens=True`, as `HfTokenizer.encode_prompt` encodes), so that a
+prompt starts a document as the training text's documents do, GPT-2's use of the same token.
 """
 
 from collections.abc import Iterable
 from pathlib import Path
 
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -29,6 +31,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
     show_progress=False,
   )
   tokenizer.train_from_iterator(texts, trainer=trainer)
+  tokenizer.post_processor = processors.TemplateProcessing(
+    single=f"{END_OF_TEXT} $A", special_tokens=[(END_OF_TEXT, tokenizer.token_to_id(END_OF_TEXT))]
+  )
   return tokenizer
 
 

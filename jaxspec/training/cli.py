@@ -56,6 +56,11 @@ _CONFIG_OPTIONS = {
     argtypes.float_in(0.0, 1.0),
     "DITTO's lambda: a repeated token's probability is pulled to lambda times the previous one's",
   ),
+  "definition_documents": (
+    argtypes.int_in(0),
+    "copies of each top-level function and class added to the stream as a document of its own "
+    "(where a definition ends when nothing follows it); 0 = whole files only",
+  ),
   "unlikelihood_rows": (
     argtypes.int_in(0),
     "greedy continuations per step of the model's own, trained with sequence-level "

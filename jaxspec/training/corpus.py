@@ -9,16 +9,23 @@ Two sources, one split:
   packages, plus `MANIFEST.json`. The archive is the same bytes on every machine, so a training
   run does not depend on which stdlib files the training machine's image happens to ship.
 
+`definition_documents` cuts training files into their top-level functions and classes, each a
+document of its own, for the trainer to add to its stream.
+
 `HELD_OUT_FILES` is a fixed list of ordinary library modules of the standard library, kept out of
 training and used only for evaluation (`jaxspec.evaluation` reads them from the running
 interpreter); a held-out file missing from a source is skipped (the ones listed exist in CPython
 3.12 and later).
 """
 
+import ast
+import concurrent.futures
 import dataclasses
 import gzip
 import io
 import json
+import multiprocessing
+import os
 import sysconfig
 import tarfile
 from pathlib import Path
@@ -147,3 +154,58 @@ def split_corpus(
   if max_files is not None:
     train_files = train_files[:max_files]
   return train_files, [f for f in files if f.held_out]
+
+
+PARALLEL_PARSE_BYTES = 16 << 20  # below this, `definition_documents` parses in-process
+
+
+def top_level_definitions(text: str) -> list[str]:
+  """The source of each top-level function and class of a Python file, decorators included, each
+  ending in a newline; [] for a file that does not parse.
+
+  Lines are counted as `ast` counts them, on "\\n" after "\\r\\n" is folded; a file with a lone
+  "\\r" (which `ast` also counts) is skipped rather than cut at the wrong lines.
+  """
+  text = text.replace("\r\n", "\n")
+  if "\r" in text:
+    return []
+  try:
+    tree = ast.parse(text)
+  except (SyntaxError, ValueError, RecursionError):  # ValueError: a null byte
+    return []
+  lines = text.split("\n")
+  definitions = []
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+      definitions.append("\n".join(lines[first - 1 : node.end_lineno]) + "\n")
+  return definitions
+
+
+def definition_documents(files: list[SourceFile], workers: int | None = None) -> list[SourceFile]:
+  """Each top-level function and class of `files` as a file of its own, in file order.
+
+  `relative_path` is the file's path plus `::` and the definition's index in it. Training on
+  these beside the whole files shows the model, after a document separator, one definition and
+  then the separator again: where a function or class ends when nothing else follows it, which a
+  stream of whole files never shows (after a top-level function comes another one). Parsing runs
+  in `workers` processes (default: one per CPU, at most 16, from `PARALLEL_PARSE_BYTES` of text
+  up; 1: in this process): `ast.parse` reads about 5 MB/s, 45 s for the 223 MB corpus on one
+  core, and a worker takes about two seconds to start.
+  """
+  texts = [f.text for f in files]
+  if workers is None:
+    workers = 1 if sum(map(len, texts)) < PARALLEL_PARSE_BYTES else min(16, os.cpu_count() or 1)
+  if workers > 1 and len(files) > 1:
+    # A fresh interpreter per worker ("spawn"): the caller may run threads (jax) that fork breaks.
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+      chunk = max(1, len(texts) // (8 * workers))
+      definitions = list(pool.map(top_level_definitions, texts, chunksize=chunk))
+  else:
+    definitions = [top_level_definitions(t) for t in texts]
+  return [
+    SourceFile(f"{f.relative_path}::{i}", text, f.origin)
+    for f, found in zip(files, definitions, strict=True)
+    for i, text in enumerate(found)
+  ]

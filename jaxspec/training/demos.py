@@ -8,7 +8,7 @@ Python than not); the trainer logs them and `scripts/check_default_model.py` rep
 
 import ast
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -58,13 +58,15 @@ def max_line_repeats(text: str) -> tuple[int, str]:
   return count, line
 
 
-def parses_as_python(prompt: str, continuation: str) -> bool:
-  """`ast.parse` of prompt + continuation cut after its last complete line (the last newline).
+def parses_as_python(prompt: str, continuation: str, ended: bool = False) -> bool:
+  """`ast.parse` of prompt + continuation cut after its last complete line (the last newline), or
+  whole when the continuation `ended` at the model's end-of-text token (its last line is complete).
 
-  A continuation that completes no line of its own (no newline) does not count as parsing.
+  A continuation that completes no line of its own (no newline, not ended) does not count as
+  parsing.
   """
   text = prompt + continuation
-  cut = text[: text.rfind("\n") + 1]
+  cut = text if ended else text[: text.rfind("\n") + 1]
   if len(cut) <= len(prompt):
     return False
   try:
@@ -74,24 +76,27 @@ def parses_as_python(prompt: str, continuation: str) -> bool:
   return True
 
 
-def demo_quality(samples: list[tuple[str, str]]) -> dict:
-  """Per (prompt, continuation): the most repeated line and whether it parses; and the totals."""
+def demo_quality(samples: list[tuple[str, str, bool]]) -> dict:
+  """Per (prompt, continuation, ended at end-of-text): the most repeated line and whether it
+  parses; and the totals."""
   rows = []
-  for prompt, continuation in samples:
+  for prompt, continuation, ended in samples:
     count, line = max_line_repeats(prompt + continuation)
     rows.append(
       {
         "prompt": prompt,
         "continuation": continuation,
+        "ended": ended,
         "max_line_repeats": count,
         "most_repeated_line": line,
-        "parses": parses_as_python(prompt, continuation),
+        "parses": parses_as_python(prompt, continuation, ended),
       }
     )
   return {
     "samples": rows,
     "max_line_repeats": max((r["max_line_repeats"] for r in rows), default=0),
     "parse_rate": sum(r["parses"] for r in rows) / max(1, len(rows)),
+    "ended": sum(r["ended"] for r in rows),
   }
 
 
@@ -100,17 +105,25 @@ def healed_demo_quality(
   vocab_size: int,
   continue_prompts: Callable[[list[list[int]], list[np.ndarray | None]], list[list[int]]],
   prompt_texts: tuple[str, ...] = DEMO_PROMPTS,
+  *,
+  stop_token_ids: Collection[int],
 ) -> dict:
   """`demo_quality` of the demo prompts (or `prompt_texts`, e.g. `VALIDATION_PROMPTS`) continued
-  as `python -m jaxspec generate` continues them: each prompt healed
-  (`token_healing.heal_prompt`), `continue_prompts(ids, first_token_masks)` returning the new
-  tokens of each, and the text read after the prompt."""
-  prompts = [tokenizer.encode(p) for p in prompt_texts]
+  as `python -m jaxspec generate` continues them: each prompt encoded with the tokenizer's
+  document start (`HfTokenizer.encode_prompt`) and healed (`token_healing.heal_prompt`),
+  `continue_prompts(ids, first_token_masks)` returning the new tokens of each (cut after a stop
+  token, which they then end with, as `Generator.generate` returns them), and the text read after
+  the prompt. A continuation ending in one of `stop_token_ids` counts as ended; each sample also
+  gives its `new_tokens`, the stop token included."""
+  prompts = [tokenizer.encode_prompt(p) for p in prompt_texts]
   healed = [heal_prompt(tokenizer, p, vocab_size) for p in prompts]
   ids = [i for i, _ in healed]
   continuations = continue_prompts(ids, [mask for _, mask in healed])
-  texts = [
-    continuation_text(tokenizer, p, i, c)
-    for p, i, c in zip(prompts, ids, continuations, strict=True)
+  samples = [
+    (text, continuation_text(tokenizer, p, i, c), bool(c) and c[-1] in stop_token_ids)
+    for text, p, i, c in zip(prompt_texts, prompts, ids, continuations, strict=True)
   ]
-  return demo_quality(list(zip(prompt_texts, texts, strict=True)))
+  report = demo_quality(samples)
+  for row, continuation in zip(report["samples"], continuations, strict=True):
+    row["new_tokens"] = len(continuation)
+  return report

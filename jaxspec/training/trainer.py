@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,10 @@ class TrainConfig:
   # CE of 2.01; 32 in a shorter run did worse (CE 2.07, 10): benchmarks/train_default_model.sh.
   repetition_rows: int = 16
   repetition_lambda: float = 0.5
+  # Copies of each top-level function and class added to the stream as documents of their own
+  # (`corpus.definition_documents`), so the model sees where a definition ends when nothing
+  # follows it; 0: whole files only.
+  definition_documents: int = 0
   # Continuations per step decoded greedily from real prefixes by the model itself and trained
   # with sequence-level unlikelihood on tokens that repeat an n-gram (`unlikelihood`); 0: off.
   unlikelihood_rows: int = 0
@@ -182,7 +187,7 @@ class TrainConfig:
         f"repetition_rows must be in [0, batch_size) = [0, {self.batch_size}), "
         f"got {self.repetition_rows}"
       )
-    for name in ("unlikelihood_rows", "unlikelihood_weight"):
+    for name in ("unlikelihood_rows", "unlikelihood_weight", "definition_documents"):
       if not getattr(self, name) >= 0:
         raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
     for name in ("unlikelihood_ngram", "unlikelihood_prefix_tokens", "unlikelihood_new_tokens"):
@@ -210,9 +215,10 @@ def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
 TAIL_RESERVE_S = 20.0
 
 # How `python -m jaxspec generate` decodes this model unless told otherwise (Hugging Face's
-# generation_config.json). A model this small loops under greedy decoding far more often than
-# when sampled (Holtzman et al., 2019); `--temperature 0` gives greedy, lossless decoding.
-RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "top_k": 0}
+# generation_config.json): greedy. Sampling at 0.7 (top-p 0.95) read no better on the demo
+# prompts for either default model (benchmarks/results/default_model_definition_documents.md);
+# `--temperature 0.7 --top-p 0.95` samples.
+RECOMMENDED_SAMPLING = {"do_sample": False}
 
 
 def generation_config(model_config: GlmConfig) -> dict:
@@ -247,10 +253,27 @@ def encode_files(tokenizer, files: list[corpus.SourceFile]) -> np.ndarray:
   """One int32 stream: each file's tokens followed by `<|endoftext|>`."""
   eos = tokenizer.token_to_id(bpe.END_OF_TEXT)
   pieces = []
-  for encoding in tokenizer.encode_batch_fast([f.text for f in files]):
+  for encoding in tokenizer.encode_batch_fast([f.text for f in files], add_special_tokens=False):
     pieces.append(np.asarray(encoding.ids, np.int32))
     pieces.append(np.asarray([eos], np.int32))
   return np.concatenate(pieces)
+
+
+def training_stream(
+  tokenizer, train_files: list[corpus.SourceFile], definition_copies: int
+) -> tuple[np.ndarray, int, int]:
+  """(the training stream, int32 [N]; the tokens of its whole files; its definition documents).
+
+  The files' tokens (`encode_files`), then `definition_copies` times those of every top-level
+  function and class of the files as a document of its own (`corpus.definition_documents`).
+  """
+  stream = encode_files(tokenizer, train_files)
+  file_tokens = int(stream.size)
+  if not definition_copies:
+    return stream, file_tokens, 0
+  definitions = corpus.definition_documents(train_files)
+  copies = [encode_files(tokenizer, definitions)] * definition_copies
+  return np.concatenate([stream, *copies]), file_tokens, len(definitions)
 
 
 def eval_windows(
@@ -521,13 +544,15 @@ def greedy_continuations(
   prompts: list[list[int]],
   first_token_masks: list[np.ndarray | None],
   new_tokens: int,
+  stop_token_ids: Collection[int] = (),
 ) -> list[list[int]]:
   """Greedy decoding of each prompt by re-running the causal forward (no cache).
 
   Every prompt runs in the same `[1, length]` buffer (the longest prompt plus `new_tokens`,
   rounded up to 64); the tokens after the current position do not affect it (causal mask). A
   prompt's first token is the argmax over its first-token mask (bool [V], None: every token), as
-  `Generator.generate(first_token_masks=...)` takes it for token healing.
+  `Generator.generate(first_token_masks=...)` takes it for token healing. A continuation stops
+  after a token of `stop_token_ids`, which it then ends with, as `Generator.generate`'s do.
   """
   length = -(-(max(len(p) for p in prompts) + new_tokens) // 64) * 64
   every_token = np.ones(model.config.vocab_size, bool)  # [V]
@@ -543,8 +568,12 @@ def greedy_continuations(
     end = len(prompt_ids) + new_tokens
     allowed = every_token if mask is None else mask
     for position in range(len(prompt_ids) - 1, end - 1):
-      buffer[0, position + 1] = int(next_token(jnp.asarray(buffer), position, allowed))
+      token = int(next_token(jnp.asarray(buffer), position, allowed))
+      buffer[0, position + 1] = token
       allowed = every_token  # only the first new token is constrained
+      if token in stop_token_ids:
+        end = position + 2
+        break
     continuations.append(buffer[0, len(prompt_ids) : end].tolist())
   return continuations
 
@@ -570,7 +599,11 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
   ax_loss.plot(eval_steps, [e["mtp_loss"] for e in evals], "s-", label="held-out MTP CE")
   ax_loss.set_xlabel("step")
   ax_loss.set_ylabel("cross-entropy (nats / token)")
-  ax_loss.set_ylim(0, max(2.0, min(8.0, history[min(len(history) - 1, 5)]["loss"])))
+  # Up to the early training loss (a first run's steep start is cut at 8) and every held-out
+  # value (a second phase starts near its end).
+  early = history[min(len(history) - 1, 5)]["loss"]
+  held_out = [e[name] for e in evals for name in ("lm_loss", "mtp_loss")]
+  ax_loss.set_ylim(0, 1.05 * max(2.0, min(8.0, early), *held_out))
   ax_loss.legend()
   ax_loss.grid(alpha=0.3)
   ax_acc.plot(eval_steps, [e["next_token_accuracy"] for e in evals], "o-", label="target top-1")
@@ -677,7 +710,9 @@ def train(
     tokenizer = bpe.train_bpe((f.text for f in train_files), config.vocab_size)
   elif initial_model is None:
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
-  train_stream = encode_files(tokenizer, train_files)
+  train_stream, file_tokens, definitions = training_stream(
+    tokenizer, train_files, config.definition_documents
+  )
   held_out_stream = encode_files(tokenizer, held_out_files)
   held_out_bytes = sum(len(f.text.encode("utf-8")) for f in held_out_files)
   held_out = eval_windows(
@@ -693,8 +728,10 @@ def train(
     "train_config": dataclasses.asdict(config),
     "model_config": model_config.to_hf_dict(),
     "num_params": trainer.num_params,
-    "corpus": _describe_corpus(source, train_files, held_out_files, int(train_stream.size))
+    "corpus": _describe_corpus(source, train_files, held_out_files, file_tokens)
     | {
+      "definition_documents": definitions,
+      "stream_tokens": int(train_stream.size),
       "held_out_windows": len(held_out),
       # Cross-entropy per token depends on the tokenizer; per byte it does not.
       "held_out_bytes_per_token": held_out_bytes / len(held_out_stream),
@@ -766,7 +803,10 @@ def train(
   demos = healed_demo_quality(
     HfTokenizer(tokenizer),
     model_config.vocab_size,
-    lambda ids, masks: greedy_continuations(model, ids, masks, DEMO_NEW_TOKENS),
+    lambda ids, masks: greedy_continuations(
+      model, ids, masks, DEMO_NEW_TOKENS, model_config.eos_token_ids
+    ),
+    stop_token_ids=model_config.eos_token_ids,
   )
   log["final"] = {
     "steps": total_steps,

@@ -173,3 +173,16 @@ def test_bad_first_token_masks_are_named_before_any_prefill(model, monkeypatch, 
   with pytest.raises(ValueError, match=message) as error:
     engine.generate([[1, 2], [3]], max_new_tokens=2, first_token_masks=masks)
   assert "first_token_masks" in str(error.value)
+
+
+def test_greedy_continuations_stop_after_a_stop_token_as_the_engine_does(model):
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, 128, n).tolist() for n in (5, 9)]
+  free = Generator(model, ENGINE).generate(prompts, max_new_tokens=6, stop_token_ids=())
+  stop = free.tokens[0][2]  # request 0 stops at its third token at the latest
+  out = Generator(model, ENGINE).generate(prompts, max_new_tokens=6, stop_token_ids=(stop,))
+  for tokens, unstopped in zip(out.tokens, free.tokens, strict=True):
+    end = unstopped.index(stop) + 1 if stop in unstopped else len(unstopped)
+    assert tokens == unstopped[:end]
+  assert len(out.tokens[0]) <= 3
+  assert out.tokens == greedy_continuations(model, prompts, [None, None], 6, (stop,))

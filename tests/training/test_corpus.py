@@ -74,3 +74,70 @@ def test_a_wheel_gives_its_python_files_version_and_licence(tmp_path, load_scrip
     ("demo_pkg/__init__.py", b"x = 1\n"),
     ("demo_pkg/sub/core.py", b"def f():\n    return 2\n"),
   ]
+
+
+DEFINITIONS = """\"\"\"A module.\"\"\"
+import functools
+
+CONSTANT = 1
+
+
+@functools.cache
+@staticmethod
+def cached(x):
+    return x
+
+
+class Point:
+    \"\"\"A point.\"\"\"
+
+    def norm(self):
+        text = \"\"\"
+a string at column 0
+\"\"\"
+        return text
+
+
+async def fetch():
+    pass
+if __name__ == "__main__":
+    cached(1)
+"""
+
+
+def test_top_level_definitions_are_cut_with_their_decorators_and_nothing_else():
+  cached = "@functools.cache\n@staticmethod\ndef cached(x):\n    return x\n"
+  point = DEFINITIONS[DEFINITIONS.index("class Point") : DEFINITIONS.index("\n\n\nasync")] + "\n"
+  assert corpus.top_level_definitions(DEFINITIONS) == [
+    cached,
+    point,
+    "async def fetch():\n    pass\n",
+  ]
+  # Windows line ends are folded first; the cut texts then use "\n".
+  assert corpus.top_level_definitions(DEFINITIONS.replace("\n", "\r\n"))[0] == cached
+
+
+@pytest.mark.parametrize(
+  "text",
+  ["def broken(:\n    pass\n", "def f():\r    pass\r", "x = 1\n", "def f():\n    return '\0'\n"],
+)
+def test_files_without_definitions_or_that_cannot_be_cut_give_none(text):
+  assert corpus.top_level_definitions(text) == []
+
+
+def test_definition_documents_name_their_origin_and_are_the_same_in_worker_processes():
+  files = [
+    corpus.SourceFile("a.py", DEFINITIONS, "stdlib"),
+    corpus.SourceFile("b.py", "x = 1\n", "stdlib"),
+    corpus.SourceFile("pkg/c.py", "def g():\n    pass\n", "numpy"),
+  ]
+  documents = corpus.definition_documents(files, workers=1)
+  assert [(d.origin, d.relative_path) for d in documents] == [
+    ("stdlib", "a.py::0"),
+    ("stdlib", "a.py::1"),
+    ("stdlib", "a.py::2"),
+    ("numpy", "pkg/c.py::0"),
+  ]
+  assert [d.text for d in documents[:3]] == corpus.top_level_definitions(DEFINITIONS)
+  assert not any(d.held_out for d in documents)
+  assert corpus.definition_documents(files, workers=2) == documents

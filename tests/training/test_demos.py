@@ -20,10 +20,21 @@ def test_parse_cuts_at_the_last_complete_line():
   assert not parses_as_python(prompt, "     ")
 
 
+def test_a_continuation_that_ended_at_end_of_text_is_parsed_whole():
+  prompt = "def fibonacci(n):"
+  # The model's end-of-text completes the last line: nothing is cut.
+  assert parses_as_python(prompt, "\n    return n", ended=True)
+  assert not parses_as_python(prompt, "\n    return n")  # cut to the prompt alone
+  assert not parses_as_python(prompt, "\n    if n:", ended=True)
+
+
 def test_demo_quality_sums_up_the_samples():
-  report = demo_quality([("def f():", "\n    return 1\n"), ("def g():", "\n    if x:\n")])
-  assert report["parse_rate"] == 0.5 and report["max_line_repeats"] == 1
-  assert [s["parses"] for s in report["samples"]] == [True, False]
+  samples = [("def f():", "\n    return 1\n", False), ("def g():", "\n    if x:\n", False)]
+  samples.append(("def h():", "\n    return 2", True))
+  report = demo_quality(samples)
+  assert report["parse_rate"] == 2 / 3 and report["max_line_repeats"] == 1
+  assert [s["parses"] for s in report["samples"]] == [True, False, True]
+  assert [s["ended"] for s in report["samples"]] == [False, False, True] and report["ended"] == 1
 
 
 def test_healed_demos_continue_the_healed_prompts_and_score_the_text_after_the_prompt():
@@ -33,23 +44,31 @@ def test_healed_demos_continue_the_healed_prompts_and_score_the_text_after_the_p
 
   tokenizer = load_tokenizer(DEFAULT_MODEL)
   (indent,) = tokenizer.encode("\n    ")
+  end_of_text = 0
   seen = {}
 
   def continue_prompts(ids, masks):
     seen.update(ids=ids, masks=masks)
-    # A prompt healed from its newline goes on with the newline-and-indent token.
-    return [[indent, *tokenizer.encode("return 1\n")] if m is not None else [] for m in masks]
+    # A prompt healed from its newline goes on with the newline-and-indent token, then ends.
+    return [
+      [indent, *tokenizer.encode("return 1"), end_of_text] if m is not None else [] for m in masks
+    ]
 
-  report = healed_demo_quality(tokenizer, tokenizer.vocab_size, continue_prompts)
+  report = healed_demo_quality(
+    tokenizer, tokenizer.vocab_size, continue_prompts, stop_token_ids=(end_of_text,)
+  )
   for prompt, ids, mask, sample in zip(
     DEMO_PROMPTS, seen["ids"], seen["masks"], report["samples"], strict=True
   ):
-    full = tokenizer.encode(prompt)
+    # Each prompt starts a document, as the training stream's files follow <|endoftext|>.
+    full = [end_of_text, *tokenizer.encode(prompt)]
     if prompt.endswith("\n"):
       assert ids == full[:-1] and mask[indent]
-      assert sample["continuation"] == "    return 1\n" and sample["parses"]
+      assert sample["continuation"] == "    return 1" and sample["ended"] and sample["parses"]
+      assert sample["new_tokens"] == 1 + len(tokenizer.encode("return 1")) + 1
     else:
       assert ids == full and mask is None and sample["continuation"] == ""
+      assert not sample["ended"] and sample["new_tokens"] == 0
 
 
 def test_validation_prompts_are_other_prompts_of_the_same_kinds_and_are_continued_when_asked():
@@ -62,7 +81,7 @@ def test_validation_prompts_are_other_prompts_of_the_same_kinds_and_are_continue
   for prompt in VALIDATION_PROMPTS:  # each is the head of a function or a class, as the demos
     assert prompt.startswith(("def ", "class ", "import ")), prompt
   tokenizer = load_tokenizer(DEFAULT_MODEL)
-  full = [tokenizer.encode(p) for p in VALIDATION_PROMPTS]
+  full = [tokenizer.encode_prompt(p) for p in VALIDATION_PROMPTS]
   seen = []
 
   def continue_prompts(ids, masks):
@@ -70,7 +89,7 @@ def test_validation_prompts_are_other_prompts_of_the_same_kinds_and_are_continue
     return [f[len(i) :] for f, i in zip(full, ids, strict=True)]  # what healing took away
 
   report = healed_demo_quality(
-    tokenizer, tokenizer.vocab_size, continue_prompts, VALIDATION_PROMPTS
+    tokenizer, tokenizer.vocab_size, continue_prompts, VALIDATION_PROMPTS, stop_token_ids=(0,)
   )
   assert [s["prompt"] for s in report["samples"]] == list(VALIDATION_PROMPTS)
   assert [s["continuation"] for s in report["samples"]] == [""] * len(VALIDATION_PROMPTS)

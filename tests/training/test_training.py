@@ -10,6 +10,7 @@ import tokenizers
 from flax import nnx
 
 import jaxspec
+import jaxspec.__main__
 from jaxspec.tokenizer import load_tokenizer
 from jaxspec.training import cli, corpus, repetition, trainer
 
@@ -39,6 +40,21 @@ def test_corpus_is_sorted_and_held_out_files_stay_out_of_training():
   assert len(train_files) > 500
 
 
+def test_definition_documents_follow_the_files_in_the_stream(smoke_run):
+  output_dir, _ = smoke_run
+  bpe_tokenizer = tokenizers.Tokenizer.from_file(str(output_dir / "tokenizer.json"))
+  files = corpus.split_corpus(max_files=5)[0]
+  whole, whole_tokens, none = trainer.training_stream(bpe_tokenizer, files, 0)
+  stream, file_tokens, count = trainer.training_stream(bpe_tokenizer, files, 2)
+  definitions = trainer.encode_files(bpe_tokenizer, corpus.definition_documents(files))
+  assert (none, whole_tokens, file_tokens) == (0, whole.size, whole.size)
+  assert count == len(corpus.definition_documents(files)) > 0
+  # The files as before, then two copies of the definitions, each document closed by EOS (0)
+  # and none opened by one (the tokenizer's document start is for prompts, not the stream).
+  np.testing.assert_array_equal(stream, np.concatenate([whole, definitions, definitions]))
+  assert (stream == 0).sum() == len(files) + 2 * count
+
+
 def test_learning_rate_warms_up_then_decays_to_the_floor():
   config = trainer.TrainConfig(steps=100, warmup_steps=10, learning_rate=1e-3, min_lr_ratio=0.1)
   rates = [trainer.learning_rate(step, 100, config) for step in range(100)]
@@ -62,6 +78,8 @@ def test_time_budget_fits_the_steps_to_the_time_left():
 def test_smoke_run_honours_its_flags_and_lowers_train_and_held_out_losses(smoke_run):
   _, log = smoke_run
   assert log["train_config"] == dataclasses.asdict(cli.SMOKE) | {"eval_every": 15}
+  assert log["corpus"]["definition_documents"] == 0  # whole files only, unless asked
+  assert log["corpus"]["stream_tokens"] == log["corpus"]["train_tokens"]
   history, evals = log["history"], log["evals"]
   assert len(history) == log["final"]["steps"] == 30
   assert "repetition_loss" not in history[0]  # no repeated rows in the smoke recipe
@@ -92,6 +110,10 @@ def test_overwrite_replaces_the_whole_directory_and_leaves_no_temporary(smoke_ru
   names = {p.name for p in output_dir.iterdir()}
   written = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"}
   assert written | {"training_log.json", "loss.png"} <= names
+  # The recipe's generation_config.json is the embedded model's (greedy by default).
+  shipped = (jaxspec.__main__.DEFAULT_MODEL / "generation_config.json").read_text()
+  written_config = (output_dir / "generation_config.json").read_text()
+  assert json.loads(written_config) == json.loads(shipped)
   assert "notes.txt" not in names  # nothing of the older checkpoint is left beside the new one
   assert (output_dir / "model.safetensors").read_bytes() != b"an older checkpoint"
   temporary = f".{output_dir.name}."  # staging and previous-checkpoint directories
@@ -107,6 +129,8 @@ def test_checkpoint_round_trips_with_load_pretrained_and_its_tokenizer(smoke_run
   tokenizer = load_tokenizer(output_dir)
   text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
   assert tokenizer.decode(tokenizer.encode(text)) == text
+  # A prompt starts a document, as each training file follows <|endoftext|> (id 0) in the stream.
+  assert tokenizer.encode_prompt(text) == [0, *tokenizer.encode(text)]
   assert tokenizer.vocab_size == model.config.vocab_size == log["train_config"]["vocab_size"]
 
   # The trainer evaluates on a bf16 copy of its float32 parameters, which is exactly what the
