@@ -37,10 +37,13 @@
 #                                                               13 (DITTO windows without prefix)
 #   same, 223 MB archive (pinned wheels), prefixed windows:    13626 steps, 1.94M tok/s, CE 2.01, 4
 #   same with 32 DITTO rows, 400 s:                             CE 2.07, 10
-# The third is the embedded model. Second phases from it (`--init-from jaxspec/assets/default_model
-# --learning-rate 3e-4 --warmup-steps 50`, TIME_BUDGET_S=150-165, heavier DITTO or
-# --unlikelihood-rows) are in benchmarks/results/default_model_second_phase.md: none met more of
-# the model's targets. The step on the corpus's tokens took 82-95 ms with XLA's
+# The third is the embedded model's first phase. Second phases from it (`--init-from
+# jaxspec/assets/default_model --learning-rate 3e-4 --warmup-steps 50`, TIME_BUDGET_S=150-175):
+# heavier DITTO or --unlikelihood-rows (benchmarks/results/default_model_second_phase.md) met no
+# more of the model's targets; --definition-documents 1 / 3 / 6 took the demos' worst line to
+# 5 / 3 / 3 and with --repetition-rows 32 to 2, every demo parsing
+# (benchmarks/results/default_model_definition_documents.md). That last one is the embedded
+# model. The step on the corpus's tokens took 82-95 ms with XLA's
 # scatter-add embedding gradient (its atomics serialise on frequent tokens) against 32 ms on
 # random ids; the one-hot matmul gradient runs the corpus at the random-id speed.
 set -euo pipefail
