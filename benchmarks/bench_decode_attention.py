@@ -82,7 +82,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks._timing import time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.decode_attention.api import paged_decode_attention  # noqa: E402
-from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig, default_config  # noqa: E402
+from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
+  DEFAULT_BALANCE_WAVES,
+  TuningConfig,
+  default_config,
+)
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
 GLM_GROUP = 12  # GLM-4.5: 96 query heads over 8 KV heads
@@ -690,7 +694,7 @@ def main():
     nargs="+",
     default=None,
     help='run only the shapes named "SECTION NAME", in the order given, e.g. "fp8 KV B64 L32k" '
-    '"G8 D128 B64 L32k"; with --tune, the sweeps labelled "SHAPE qQ_LEN GG[ fp8]", e.g. '
+    '"G8 D128 B64 L32k"; with --tune, the sweeps labelled "SHAPE qQ_LEN GG[ DD][ fp8]", e.g. '
     '"B64 L32k q7 G8 fp8"',
   )
   parser.add_argument("--out", default=str(RESULTS))
@@ -789,30 +793,45 @@ def tune(rng, tuning, save, smoke=False, only=None):
   default = default_config(HEAD_DIM, PAGE_SIZE)
   merge = [default, dataclasses.replace(default, merge_kernel=True)]
   two_warpgroups = [default, dataclasses.replace(default, two_warpgroup_tiles=True)]
+  # D 64: a K/V block of 64 positions is 8 KiB, so each pipeline step moves half the bytes of
+  # D 128 for the same fixed costs; longer blocks, and shallower rings that fit more work items
+  # on an SM (the default ring at D 64 is 4 stages).
+  d64 = [default_config(64, PAGE_SIZE)] + [
+    TuningConfig(num_stages=s, block_kv=bk, balance_waves=DEFAULT_BALANCE_WAVES)
+    for s, bk in [(2, 64), (2, 128), (3, 128), (4, 128)]
+  ]
   ragged = rng.integers(1024, 32768 + 1, size=64)
-  sweeps = [  # (shape, lengths, q_len, fp8, G, configs)
-    ("B1 L8k", [8192], 1, False, GROUP, merge),
-    ("B1 L8k", [8192], 7, False, GROUP, merge),
-    ("B8 L32k", [32768] * 8, 1, False, GROUP, merge),
-    ("B64 ragged 1k..32k", ragged, 7, False, GROUP, merge),
-    ("B64 L32k", [32768] * 64, 7, False, GROUP, configs),
-    ("B8 L32k", [32768] * 8, 1, False, GROUP, configs),
-    ("B64 ragged 1k..32k", ragged, 7, False, GROUP, configs),
-    ("B64 L32k", [32768] * 64, 7, True, GROUP, fp8_configs),
-    ("B8 L32k", [32768] * 8, 7, False, GLM_GROUP, two_warpgroups),
-    ("B64 L32k", [32768] * 64, 7, False, GLM_GROUP, two_warpgroups),
+  sweeps = [  # (shape, lengths, q_len, fp8, G, D, configs)
+    ("B1 L8k", [8192], 1, False, GROUP, HEAD_DIM, merge),
+    ("B1 L8k", [8192], 7, False, GROUP, HEAD_DIM, merge),
+    ("B8 L32k", [32768] * 8, 1, False, GROUP, HEAD_DIM, merge),
+    ("B64 ragged 1k..32k", ragged, 7, False, GROUP, HEAD_DIM, merge),
+    ("B64 L32k", [32768] * 64, 7, False, GROUP, HEAD_DIM, configs),
+    ("B8 L32k", [32768] * 8, 1, False, GROUP, HEAD_DIM, configs),
+    ("B64 ragged 1k..32k", ragged, 7, False, GROUP, HEAD_DIM, configs),
+    ("B64 L32k", [32768] * 64, 7, True, GROUP, HEAD_DIM, fp8_configs),
+    ("B8 L32k", [32768] * 8, 7, False, GLM_GROUP, HEAD_DIM, two_warpgroups),
+    ("B64 L32k", [32768] * 64, 7, False, GLM_GROUP, HEAD_DIM, two_warpgroups),
+    ("B64 L32k", [32768] * 64, 1, False, GROUP, 64, d64),
+    ("B8 L32k", [32768] * 8, 1, False, GROUP, 64, d64),
+    ("B64 L32k", [32768] * 64, 7, False, GROUP, 64, d64),
   ]
   if smoke:
     sweeps = [
-      ("B2 L200", [200, 77], 3, False, GROUP, merge),
-      ("B2 L200", [200, 77], 3, True, GROUP, configs[:1]),
+      ("B2 L200", [200, 77], 3, False, GROUP, HEAD_DIM, merge),
+      ("B2 L200", [200, 77], 3, True, GROUP, HEAD_DIM, configs[:1]),
+      ("B2 L200", [200, 77], 1, False, GROUP, 64, d64[2:3]),
     ]
 
-  def label(name, q_len, fp8, group):
-    return f"{name} q{q_len} G{group}" + (" fp8" if fp8 else "")
+  def label(name, q_len, fp8, group, head_dim):
+    return (
+      f"{name} q{q_len} G{group}"
+      + (f" D{head_dim}" if head_dim != HEAD_DIM else "")
+      + (" fp8" if fp8 else "")
+    )
 
   if only is not None:  # every sweep of each label (a shape can have several), in that order
-    labels = [label(name, q_len, fp8, group) for name, _, q_len, fp8, group, _ in sweeps]
+    labels = [label(name, q, fp8, g, d) for name, _, q, fp8, g, d, _ in sweeps]
     unknown = [name for name in only if name not in labels]
     if unknown:
       raise ValueError(f"--only: no sweep labelled {unknown}; the sweeps are {labels}")
@@ -820,17 +839,18 @@ def tune(rng, tuning, save, smoke=False, only=None):
       sweep for name in only for sweep, at in zip(sweeps, labels, strict=True) if at == name
     ]
   timing = {"reps": 1, "warmup": 0} if smoke else {}
-  for name, seq_lens, q_len, fp8, group, sweep in sweeps:
-    batch = make_batch(rng, seq_lens, pad_to=8 if smoke else 128)
+  for name, seq_lens, q_len, fp8, group, head_dim, sweep in sweeps:
+    batch = make_batch(rng, seq_lens, head_dim, pad_to=8 if smoke else 128)
     if fp8:
       batch = to_fp8(batch)
     count = 1 if smoke else inner_count(batch.kv_bytes)
-    queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group)
+    queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group, head_dim=head_dim)
     for config in sweep:
       entry = {
         "shape": name + (" fp8" if fp8 else ""),
         "q_len": q_len,
         "G": group,
+        "D": head_dim,
         "config": dataclasses.asdict(config),
       }
       try:
@@ -976,13 +996,15 @@ def render_markdown(meta, rows, tuning):
     lines += ["", "Contenders that failed:", ""]
     lines += [f"- {shape} q_len {q}: {name}: {error}" for shape, q, name, error in failures]
   if tuning:
-    lines += ["", "## Tuning sweep (ours)", "", "| shape | q_len | G | config | time | TB/s |"]
-    lines.append("| --- | --- | --- | --- | --- | --- |")
+    lines += ["", "## Tuning sweep (ours)", ""]
+    lines += ["| shape | q_len | G | D | config | time | TB/s |", "| --- " * 7 + "|"]
     for entry in tuning:
       config = ", ".join(f"{k}={v}" for k, v in entry["config"].items())
       result = f"{entry['us']:.1f} us | {entry['tbps']:.2f}" if "us" in entry else "fails | -"
-      group = entry.get("G", GROUP)
-      lines.append(f"| {entry['shape']} | {entry['q_len']} | {group} | {config} | {result} |")
+      group, head_dim = entry.get("G", GROUP), entry.get("D", HEAD_DIM)
+      lines.append(
+        f"| {entry['shape']} | {entry['q_len']} | {group} | {head_dim} | {config} | {result} |"
+      )
   return "\n".join(lines) + "\n"
 
 
