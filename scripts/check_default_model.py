@@ -18,11 +18,11 @@ Measures, for MODEL_DIR (default: the embedded model):
 - greedy continuations of the six demo prompts (`jaxspec.training.demos.DEMO_PROMPTS`), 96 new
   tokens at most, the prompt encoded and healed as `generate` does (a continuation that ends at
   the model's end-of-text token stops there and counts as ended): no line more than twice, and
-  more than half parse with `ast.parse` when cut at the last complete line (whole when ended). With `--sample-temperature T` the same
-  prompts are also sampled (top-p 0.95, fixed seed) and reported the same way, to compare with
-  greedy. `--validation-prompts` continues twelve other prompts of the same kinds instead
-  (`VALIDATION_PROMPTS`), to choose between candidate checkpoints while the demo prompts stay
-  an unseen test of the chosen one.
+  more than half parse with `ast.parse` when cut at the last complete line (whole when ended).
+  With `--sample-temperature T` the same prompts are also sampled (top-p 0.95, fixed seed) and
+  reported the same way, to compare with greedy. `--validation-prompts` continues twelve other
+  prompts of the same kinds instead (`VALIDATION_PROMPTS`), to choose between candidate
+  checkpoints while the demo prompts stay an unseen test of the chosen one.
 
 Prints the continuations, a table with each target and PASS / FAIL, and one JSON object (also
 written to --json-out).

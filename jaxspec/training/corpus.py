@@ -156,7 +156,7 @@ def split_corpus(
   return train_files, [f for f in files if f.held_out]
 
 
-PARALLEL_PARSE_BYTES = 16 << 20  # below this, `definition_documents` parses in-process
+PARALLEL_PARSE_CHARS = 16 << 20  # below this much text `definition_documents` parses in-process
 
 
 def top_level_definitions(text: str) -> list[str]:
@@ -189,13 +189,13 @@ def definition_documents(files: list[SourceFile], workers: int | None = None) ->
   these beside the whole files shows the model, after a document separator, one definition and
   then the separator again: where a function or class ends when nothing else follows it, which a
   stream of whole files never shows (after a top-level function comes another one). Parsing runs
-  in `workers` processes (default: one per CPU, at most 16, from `PARALLEL_PARSE_BYTES` of text
-  up; 1: in this process): `ast.parse` reads about 5 MB/s, 45 s for the 223 MB corpus on one
-  core, and a worker takes about two seconds to start.
+  in `workers` processes (default: one per CPU, at most 16, from `PARALLEL_PARSE_CHARS`
+  characters of text up; 1: in this process): `ast.parse` reads about 5 MB/s, 45 s for the
+  223 MB corpus on one core, and a worker takes about two seconds to start.
   """
   texts = [f.text for f in files]
   if workers is None:
-    workers = 1 if sum(map(len, texts)) < PARALLEL_PARSE_BYTES else min(16, os.cpu_count() or 1)
+    workers = 1 if sum(map(len, texts)) < PARALLEL_PARSE_CHARS else min(16, os.cpu_count() or 1)
   if workers > 1 and len(files) > 1:
     # A fresh interpreter per worker ("spawn"): the caller may run threads (jax) that fork breaks.
     context = multiprocessing.get_context("spawn")
