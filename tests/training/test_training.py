@@ -46,9 +46,10 @@ def test_definition_documents_follow_the_files_in_the_stream(smoke_run):
   files = corpus.split_corpus(max_files=5)[0]
   whole, whole_tokens, none = trainer.training_stream(bpe_tokenizer, files, 0)
   stream, file_tokens, count = trainer.training_stream(bpe_tokenizer, files, 2)
-  definitions = trainer.encode_files(bpe_tokenizer, corpus.definition_documents(files))
+  documents = corpus.definition_documents(files)
+  definitions = trainer.encode_files(bpe_tokenizer, documents)
   assert (none, whole_tokens, file_tokens) == (0, whole.size, whole.size)
-  assert count == len(corpus.definition_documents(files)) > 0
+  assert count == len(documents) > 0
   # The files as before, then two copies of the definitions, each document closed by EOS (0)
   # and none opened by one (the tokenizer's document start is for prompts, not the stream).
   np.testing.assert_array_equal(stream, np.concatenate([whole, definitions, definitions]))
