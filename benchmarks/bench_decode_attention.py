@@ -84,6 +84,7 @@ from benchmarks._timing import time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.decode_attention.api import paged_decode_attention  # noqa: E402
 from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
   DEFAULT_BALANCE_WAVES,
+  DEFAULT_TRANSPOSED_MAX_ROWS,
   TuningConfig,
   default_config,
 )
@@ -522,30 +523,40 @@ def benchmark_shapes(rng, quick: bool, flashinfer: bool, smoke: bool) -> list[Sh
   return shapes
 
 
-def two_warpgroup_check(rng, out_dir, smoke=False):
-  """G 12: default 64-row tiles against one 128-row tile of two warpgroups, same inputs.
+def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False):
+  """Our kernel under its default config against ``variant(default)``, on the same inputs.
 
-  Also reports the largest difference between the two outputs on one input (bf16
-  rounding of differently split chunks, ~1e-2; a broken tile shows as NaN or ~1).
+  ``shapes``: ``(name, seq_lens, q_lens, G, D, fp8)``. Also reports the largest difference
+  between the two outputs on one input (bf16 rounding of differently split chunks, ~1e-2; a
+  broken tile shows as NaN or ~1). Writes ``results/{stem}.{json,md}``.
   """
-  group = 12
-  old_config = default_config(HEAD_DIM, PAGE_SIZE)
-  new_config = dataclasses.replace(old_config, two_warpgroup_tiles=True)
-  if smoke:  # interpret mode: tiny, unsplit, one timed call
-    old_config = dataclasses.replace(old_config, num_chunks=1)
-    new_config = dataclasses.replace(new_config, num_chunks=1)
-  shapes = [("B2 L200", [200, 77])] if smoke else [("B8 L8k", [8192] * 8), ("B64 L8k", [8192] * 64)]
   timing = {"reps": 1, "warmup": 0} if smoke else {}
-  rows = []
-  for name, seq_lens in shapes:
-    batch = make_batch(rng, seq_lens)
+  rows, configs = [], {}
+  for name, seq_lens, q_lens, group, head_dim, fp8 in shapes:
+    old_config = default_config(head_dim, PAGE_SIZE, FP8 if fp8 else DTYPE)
+    if smoke:  # interpret mode: tiny and unsplit
+      old_config = dataclasses.replace(old_config, num_chunks=1)
+    new_config = variant(old_config)
+    configs[f"{name} G{group} D{head_dim}" + (" fp8" if fp8 else "")] = {
+      "default": dataclasses.asdict(old_config),
+      "variant": dataclasses.asdict(new_config),
+    }
+    batch = make_batch(rng, seq_lens, head_dim, pad_to=8 if smoke else 128)
+    if fp8:
+      batch = to_fp8(batch)
     lens = jnp.asarray(batch.seq_lens)
-    for q_len in (6, 7):
+    for q_len in q_lens:
       count = 1 if smoke else min(16, inner_count(batch.kv_bytes))  # bounds compile time
-      queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group)
-      row = {"shape": name, "q_len": q_len, "G": group, "kv_bytes": batch.kv_bytes}
+      queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group, head_dim=head_dim)
+      row = {
+        "shape": name + (" fp8" if fp8 else ""),
+        "q_len": q_len,
+        "G": group,
+        "D": head_dim,
+        "kv_bytes": batch.kv_bytes,
+      }
       outputs = {}
-      for label, config in (("tiles_64", old_config), ("two_warpgroups", new_config)):
+      for label, config in (("default", old_config), ("variant", new_config)):
         try:
           outputs[label] = paged_decode_attention(
             queries[0],
@@ -553,6 +564,8 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
             batch.v_pages,
             batch.block_tables,
             lens,
+            k_scale=batch.k_scale,
+            v_scale=batch.v_scale,
             impl="pallas",
             config=config,
             interpret=smoke,
@@ -561,10 +574,10 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
           row[label] = {"us": seconds * 1e6, "tbps": batch.kv_bytes / seconds / 1e12}
         except Exception as error:  # reported in the table, not fatal
           row[label] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        print(name, q_len, label, row[label], flush=True)
+        print(name, f"q{q_len} G{group} D{head_dim}", label, row[label], flush=True)
       if len(outputs) == 2:
         difference = jnp.abs(
-          outputs["two_warpgroups"].astype(jnp.float32) - outputs["tiles_64"].astype(jnp.float32)
+          outputs["variant"].astype(jnp.float32) - outputs["default"].astype(jnp.float32)
         )
         row["max_abs_difference"] = float(jnp.max(difference))
       rows.append(row)
@@ -573,45 +586,90 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
     "gpu": jax.devices()[0].device_kind,
     "jax": jax.__version__,
     "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    "setup": f"bf16, Hkv {NUM_KV_HEADS}, G {group}, D {HEAD_DIM}, page {PAGE_SIZE}"
+    "setup": f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
     + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
-    "configs": {
-      "tiles_64": dataclasses.asdict(old_config),
-      "two_warpgroups": dataclasses.asdict(new_config),
-    },
+    "configs": configs,
   }
-  (out_dir / "two_warpgroup_tiles.json").write_text(
-    json.dumps({"meta": meta, "rows": rows}, indent=1)
-  )
+  (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
   def cell(entry):
-    return f"{entry['us']:.1f} us / {entry['tbps']:.2f}" if "us" in entry else "fails"
+    if "us" not in entry:
+      return "fails"
+    share = 100 * entry["tbps"] / DATASHEET_TBPS
+    return f"{entry['us']:.1f} us / {entry['tbps']:.2f} ({share:.0f}%)"
 
   lines = [
-    "# 128-row tile of two warpgroups against 64-row tiles (G * q_len > 64)",
+    f"# {title}",
     "",
     f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}. "
-    "Time per call / effective KV TB/s (unique KV bytes / time); "
-    f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets.",
+    "Time per call / effective KV TB/s (unique KV bytes, in the pages' dtype, / time); "
+    f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets. Configs per shape in the "
+    "JSON file.",
     "",
-    "| shape | q_len | 64-row tiles (default) | 128-row tile, two warpgroups | speedup "
-    "| max abs difference |",
-    "| --- | --- | --- | --- | --- | --- |",
+    "| shape | q_len | G | D | default | variant | speedup | max abs difference |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for row in rows:
-    old, new = row["tiles_64"], row["two_warpgroups"]
-    cells = []
-    for entry in (old, new):
-      share = f" ({100 * entry['tbps'] / DATASHEET_TBPS:.0f}%)" if "us" in entry else ""
-      cells.append(cell(entry) + share)
+    old, new = row["default"], row["variant"]
     speedup = f"{old['us'] / new['us']:.2f}x" if "us" in old and "us" in new else "n/a"
     difference = f"{row['max_abs_difference']:.3g}" if "max_abs_difference" in row else "n/a"
     lines.append(
-      f"| {row['shape']} | {row['q_len']} | {cells[0]} | {cells[1]} | {speedup} | {difference} |"
+      f"| {row['shape']} | {row['q_len']} | {row['G']} | {row['D']} | {cell(old)} | {cell(new)} "
+      f"| {speedup} | {difference} |"
     )
   markdown = "\n".join(lines) + "\n"
-  (out_dir / "two_warpgroup_tiles.md").write_text(markdown)
+  (out_dir / f"{stem}.md").write_text(markdown)
   print(markdown)
+
+
+def two_warpgroup_check(rng, out_dir, smoke=False):
+  """G 12: default 64-row tiles against one 128-row tile of two warpgroups."""
+  shapes = [("B8 L8k", [8192] * 8, (6, 7), 12, HEAD_DIM, False)]
+  shapes += [("B64 L8k", [8192] * 64, (6, 7), 12, HEAD_DIM, False)]
+  if smoke:
+    shapes = [("B2 L200", [200, 77], (6, 7), 12, HEAD_DIM, False)]
+  config_check(
+    rng,
+    out_dir,
+    "two_warpgroup_tiles",
+    "128-row tile of two warpgroups (variant) against 64-row tiles (G * q_len > 64)",
+    lambda config: dataclasses.replace(config, two_warpgroup_tiles=True),
+    shapes,
+    smoke,
+  )
+
+
+def transposed_check(rng, out_dir, smoke=False):
+  """Transposed scores (rows as the wgmma N dimension) against row tiles of 64, over the shapes
+  of the main run where we trail FlashInfer or read the KV more than once."""
+  ragged = rng.integers(1024, 32768 + 1, size=64)
+  shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
+    ("B1 L8k", [8192], (1, 7), GROUP, HEAD_DIM, False),
+    ("B1 L32k", [32768], (1, 3), GROUP, HEAD_DIM, False),
+    ("B8 L8k", [8192] * 8, (1,), GROUP, HEAD_DIM, False),
+    ("B8 L32k", [32768] * 8, (1, 7), GROUP, HEAD_DIM, False),
+    ("B64 L32k", [32768] * 64, (1, 3, 7), GROUP, HEAD_DIM, False),
+    ("B64 ragged 1k..32k", ragged, (1, 7), GROUP, HEAD_DIM, False),
+    ("B8 L32k", [32768] * 8, (1, 7), GLM_GROUP, HEAD_DIM, False),
+    ("B64 L32k", [32768] * 64, (1, 6, 7), GLM_GROUP, HEAD_DIM, False),
+    ("B8 L32k", [32768] * 8, (1,), GROUP, 64, False),
+    ("B64 L32k", [32768] * 64, (1, 7), GROUP, 64, False),
+    ("B64 L32k", [32768] * 64, (1, 7), GROUP, HEAD_DIM, True),
+  ]
+  if smoke:
+    shapes = [
+      ("B2 L200", [200, 77], (1, 7), GLM_GROUP, 64, False),
+      ("B2 L200", [200, 77], (3,), GROUP, HEAD_DIM, True),
+    ]
+  config_check(
+    rng,
+    out_dir,
+    "decode_attention_transposed",
+    "Transposed scores (variant: S^T = K Q^T, O^T = V^T P^T, rows as wgmma N) against 64-row tiles",
+    lambda config: dataclasses.replace(config, transposed_scores=True),
+    shapes,
+    smoke,
+  )
 
 
 def breakdown(rng, out_dir):
@@ -681,6 +739,11 @@ def main():
   parser.add_argument(
     "--two-warpgroup-check", action="store_true", help="only G 12: 64-row tiles vs two warpgroups"
   )
+  parser.add_argument(
+    "--transposed-check",
+    action="store_true",
+    help="only: 64-row tiles against transposed scores (decode_attention_transposed.*)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
@@ -704,6 +767,9 @@ def main():
   out_dir.mkdir(parents=True, exist_ok=True)
   if args.two_warpgroup_check:
     two_warpgroup_check(rng, out_dir, smoke=args.smoke)
+    return
+  if args.transposed_check:
+    transposed_check(rng, out_dir, smoke=args.smoke)
     return
   if args.breakdown:
     breakdown(rng, out_dir)
@@ -736,6 +802,7 @@ def main():
     "around back-to-back calls; warm-up excluded",
     "default_config": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE)),
     "default_config_fp8": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE, FP8)),
+    "default_transposed_max_rows": DEFAULT_TRANSPOSED_MAX_ROWS,
   }
   rows, tuning = [], []
   name = "decode_attention_tuning" if args.tune else "decode_attention"
@@ -903,7 +970,9 @@ def render_markdown(meta, rows, tuning):
       )
       or "the same"
     )
-    + "). Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
+    + f"); transposed scores (transposed_scores=True) for up to "
+    f"{meta.get('default_transposed_max_rows', 'n/a')} packed rows (G x q_len) with 16-bit "
+    "pages. Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
     "faster). 'diff vs XLA' is the largest |ours - XLA reference| on the first input over the "
     f"first {XLA_CHECK_REQUESTS} requests; 'diff vs FlashInfer' over the whole first input.",
     f"Whole run: {meta.get('elapsed_s', 0):.0f} s."

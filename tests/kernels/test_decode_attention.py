@@ -143,6 +143,38 @@ FP8_CASES = [
 ]
 
 
+# Transposed scores (TuningConfig.transposed_scores): S^T = K Q^T and O^T = V^T P^T with the
+# packed rows as the wgmma N dimension, rounded up to 8. One row (N 8), rows that are not a
+# multiple of 8 (G 3, q_len 5: N 16), 84 rows in one tile (G 12, q_len 7: N 88), 128 rows (the
+# most one tile takes), more than 128 (back to 64-row tiles), fp8 pages, 128-position blocks,
+# chunking with the balanced plan, ring refills, rows that see nothing and padding slots.
+TRANSPOSED_CASES = [
+  KernelCase(
+    seq_lens, q_len, hkv, g, d, page, dtype, dataclasses.replace(cfg, transposed_scores=True), fp8
+  )
+  for seq_lens, q_len, hkv, g, d, page, dtype, cfg, fp8 in [
+    ((70, 3, 0, 1), 1, 2, 1, 64, 16, BF16, TuningConfig(num_stages=2, num_chunks=2), False),
+    ((129, 2, 7), 5, 1, 3, 128, 16, F16, TuningConfig(num_stages=1, num_chunks=1), False),
+    ((200, 4, 0, 65), 7, 1, 12, 64, 32, BF16, TuningConfig(num_stages=2, num_chunks=2), False),
+    ((190, 7), 8, 1, 16, 128, 64, BF16, TuningConfig(block_kv=128, num_stages=2), False),
+    ((100, 6), 7, 1, 20, 64, 16, BF16, TuningConfig(num_stages=2), False),
+    (
+      (300, 5, 0, 70),
+      3,
+      1,
+      8,
+      64,
+      16,
+      BF16,
+      TuningConfig(num_stages=2, balance_waves=1, num_sms=1),
+      False,
+    ),
+    ((130, 3, 64), 7, 1, 12, 128, 32, BF16, TuningConfig(num_stages=2, num_chunks=2), True),
+    ((70, 1), 1, 2, 8, 64, 16, F16, TuningConfig(num_stages=1, fp8_8bit_layout=True), True),
+  ]
+]
+
+
 # The split-KV merge and row unpacking in one Mosaic GPU kernel (TuningConfig.merge_kernel):
 # spare grid items with unwritten tiles, tokens whose rows straddle two tiles (G 12, q_len 6),
 # fp8 pages.
@@ -167,7 +199,12 @@ MERGE_KERNEL_CASES = [
 @pytest.mark.parametrize(
   "case",
   **case_params(
-    KERNEL_CASES + TWO_WARPGROUP_CASES + BALANCED_CASES + FP8_CASES + MERGE_KERNEL_CASES
+    KERNEL_CASES
+    + TWO_WARPGROUP_CASES
+    + BALANCED_CASES
+    + FP8_CASES
+    + MERGE_KERNEL_CASES
+    + TRANSPOSED_CASES
   ),
 )
 def test_kernel_matches_float64(case, interpret):
@@ -271,6 +308,22 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
 def test_tuning_config_is_validated(field, value):
   with pytest.raises(ValueError, match=field):
     TuningConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+  "q_len, group, kv_dtype, transposed",
+  [(1, 8, BF16, True), (1, 12, F16, True), (2, 8, BF16, True), (3, 8, BF16, False)]
+  + [(7, 12, BF16, False), (1, 8, FP8, False)],
+)
+def test_default_config_transposes_scores_up_to_16_rows(q_len, group, kv_dtype, transposed):
+  """The measured policy: transposed scores for up to 16 packed rows with 16-bit pages, and the
+  api's default config follows it from the shapes of q and the pages."""
+  rows = q_len * group
+  assert default_config(128, 16, kv_dtype, rows).transposed_scores == transposed
+  assert not default_config(128, 16, kv_dtype).transposed_scores  # rows unknown: row tiles
+  q = jax.ShapeDtypeStruct((2, q_len, 2 * group, 128), BF16)
+  pages = jax.ShapeDtypeStruct((2, 64, 16, 128), kv_dtype)
+  assert api._default_config(q, pages).transposed_scores == transposed
 
 
 @pytest.mark.parametrize("head_dim, stages", [(128, 2), (64, 6)])
@@ -649,6 +702,33 @@ LOWERING_CASES = [
   ("fp8 bf16 D128 G8 q3", (4, 3, 16, 128), (2, 64, 16, 128), 16, BF16, FP8, None),
   ("fp8 f16 D64 q1", (3, 1, 8, 64), (1, 64, 32, 64), 8, F16, FP8, TuningConfig(num_chunks=3)),
   (
+    "bf16 G8 q1 transposed",
+    (4, 1, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    BF16,
+    TuningConfig(transposed_scores=True),
+  ),
+  (
+    "f16 G12 q7 transposed",
+    (2, 7, 24, 64),
+    (2, 32, 64, 64),
+    4,
+    F16,
+    F16,
+    TuningConfig(transposed_scores=True, block_kv=128),
+  ),
+  (
+    "fp8 bf16 G8 q3 transposed",
+    (4, 3, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    FP8,
+    TuningConfig(transposed_scores=True, num_stages=2),
+  ),
+  (
     "bf16 G12 q6 merge kernel",
     (2, 6, 24, 64),
     (2, 32, 16, 64),
@@ -749,12 +829,17 @@ def _coverage_params():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-tiles", "transposed"])
 @pytest.mark.parametrize("q_len, group, head_dim, page_size, dtype, fp8", _coverage_params())
-def test_kernel_gpu_coverage(q_len, group, head_dim, page_size, dtype, fp8):
+def test_kernel_gpu_coverage(q_len, group, head_dim, page_size, dtype, fp8, transposed):
+  """Both layouts on every case (transposed scores apply up to 128 packed rows)."""
   rng = np.random.default_rng(q_len * 1000 + group * 10 + head_dim + page_size)
   seq_lens = [0, 1, q_len, page_size + 1, int(rng.integers(200, 700))]
   inputs = make_inputs(rng, seq_lens, q_len, 2, group, head_dim, page_size, dtype, fp8=fp8)
-  check(paged_decode_attention(*inputs.arrays, impl="pallas", **inputs.scales), inputs)
+  config = default_config(head_dim, page_size, FP8 if fp8 else dtype)
+  config = dataclasses.replace(config, transposed_scores=transposed)
+  out = paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
+  check(out, inputs)
 
 
 @pytest.mark.gpu
@@ -771,15 +856,18 @@ def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-tiles", "transposed"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["16bit-kv", "fp8-kv"])
 @pytest.mark.parametrize("batch, max_len", [(1, 9000), (6, 3000)])
 @pytest.mark.parametrize("balance_waves", [None, 2])
-def test_kernel_gpu_large_random(batch, max_len, balance_waves, fp8):
+def test_kernel_gpu_large_random(batch, max_len, balance_waves, fp8, transposed):
   rng = np.random.default_rng(batch)
   seq_lens = rng.integers(1, max_len, size=batch)
   inputs = make_inputs(rng, seq_lens, 7, 2, 8, 128, 16, BF16, fp8=fp8)
   config = dataclasses.replace(
-    default_config(128, 16, FP8 if fp8 else BF16), balance_waves=balance_waves
+    default_config(128, 16, FP8 if fp8 else BF16),
+    balance_waves=balance_waves,
+    transposed_scores=transposed,
   )
   out = paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
   check(out, inputs)

@@ -46,6 +46,20 @@ waiter, as GPU interpret mode checks. Its race detector does not track the
 shared-memory reads of ``wgmma`` yet, so a missing ``consumed`` wait would only
 show on the GPU.
 
+Transposed scores (``TuningConfig.transposed_scores``, FlashAttention-3's
+backward pass computes ``S^T = K Q^T`` the same way): with the packed rows as
+the wgmma N dimension (a multiple of 8, up to 128) and the KV positions as M,
+a pair's rows fit one tile without padding them to 64. ``S^T = K Q^T`` takes
+K as the A operand and Q^T as a transposed B; the online softmax reduces over
+axis 0 (the positions, spread over the warpgroup's four warps); P is stored
+transposed, as ``P [N, block_kv]``, so that ``O^T = V^T P^T`` reads V^T as a
+transposed A and P^T as a transposed B with the 128-byte swizzle of the other
+tiles; the output tile is stored transposed into the Q tile. Per step a warp
+then holds ``block_kv * N / 128`` scores instead of 32, which is what pays at
+small N (plain decoding: one row per query head); from 24 rows on, the
+cross-warp reductions and the wider accumulators cost more than the padding
+they save (``default_config``).
+
 Pages a request may not attend (``reference.py`` states the rule): a page past
 the request's length (or the table's capacity) or with an id outside
 ``[0, num_pages)`` is never copied; a plain barrier arrival stands in for its
@@ -93,6 +107,13 @@ from jax import lax
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
 
 ROWS_PER_TILE = 64  # wgmma M tile of one warpgroup
+# Transposed scores: the rows are the wgmma N dimension, a multiple of 8, here at most 128 (the
+# accumulators of S^T [block_kv, N] and O^T [D, N] stay in one warpgroup's registers).
+TRANSPOSED_ROW_ALIGN = 8
+MAX_TRANSPOSED_ROWS = 128
+# default_config's transposed tiles: up to this many packed rows (measured in
+# benchmarks/results/decode_attention_transposed.md; 24 rows and more ran slower).
+DEFAULT_TRANSPOSED_MAX_ROWS = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # q (and 16-bit pages)
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -121,6 +142,11 @@ class TuningConfig:
       with one 128-row tile of two warpgroups that share each K/V block,
       instead of 64-row tiles that each read the KV. Off by default until it
       is validated on the H200.
+    transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
+      ``O^T = V^T P^T`` with the packed rows as the wgmma N dimension, rounded
+      up to 8 instead of 64 (module docstring, "Transposed scores"): one tile
+      reads the KV once for up to 128 rows, and the softmax runs on the rows
+      there are. Takes precedence over ``two_warpgroup_tiles`` where it applies.
     balance_waves: ``None`` cuts each request into ``num_chunks`` chunks of its
       own length. An integer ``w`` (batches of more than one request) plans
       one chunk length for the whole batch, ``ceil(total_blocks / (w * slots))``
@@ -147,6 +173,7 @@ class TuningConfig:
   num_sms: int | None = None
   merge_kernel: bool = False
   fp8_8bit_layout: bool = False
+  transposed_scores: bool = False
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -162,13 +189,17 @@ class TuningConfig:
       not isinstance(self.balance_waves, int) or self.balance_waves < 1
     ):
       raise ValueError(f"balance_waves must be a positive int or None, got {self.balance_waves!r}")
-    for name in ("merge_kernel", "fp8_8bit_layout"):
+    for name in ("merge_kernel", "fp8_8bit_layout", "transposed_scores"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-def default_config(head_dim: int, page_size: int, kv_dtype=jnp.bfloat16) -> TuningConfig:
-  """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves.
+def default_config(
+  head_dim: int, page_size: int, kv_dtype=jnp.bfloat16, num_rows: int | None = None
+) -> TuningConfig:
+  """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves, and
+  transposed scores for up to ``DEFAULT_TRANSPOSED_MAX_ROWS`` packed rows (``G * q_len``, when
+  given) with 16-bit pages.
 
   On the H200 a small ring that lets two work items share an SM beat a deep
   ring with one (B64 L32k q7: 2 stages 4.0 TB/s, 4 stages 3.2 TB/s). One chunk
@@ -179,6 +210,11 @@ def default_config(head_dim: int, page_size: int, kv_dtype=jnp.bfloat16) -> Tuni
   stage but add a float16 staging block; their ring gets as many stages (at
   most 8) as keep ``FP8_ITEMS_PER_SM`` work items on an SM (B64 L32k q7: 2 stages,
   three items, 2170 us; 3 stages, two items, 2296 us), and load in the 8-bit layout.
+
+  Transposed scores (H200, bf16, against 64-row tiles, same process): at 8 rows (G 8, q_len
+  1) 1.03-1.26x at D 128 (B1 L8k 15.6 against 19.6 us, B64 L32k 1893 against 1952 us) and
+  1.27-1.30x at D 64; at 16 rows (G 12, q_len 1) 0.99-1.02x; from 24 rows (G 8, q_len 3) on
+  equal or slower, 0.67x at 56 rows. fp8 pages were not measured with them.
   """
   block_kv = max(64, page_size)
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
@@ -192,15 +228,19 @@ def default_config(head_dim: int, page_size: int, kv_dtype=jnp.bfloat16) -> Tuni
     num_stages=max(2, min(8, ring_budget // block_bytes)),
     balance_waves=DEFAULT_BALANCE_WAVES,
     fp8_8bit_layout=kv_itemsize == 1,
+    transposed_scores=(
+      kv_itemsize == 2 and num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS
+    ),
   )
 
 
-def smem_bytes(head_dim: int, config: TuningConfig, warpgroups: int = 1, kv_itemsize=2) -> int:
+def smem_bytes(
+  head_dim: int, config: TuningConfig, rows: int = ROWS_PER_TILE, kv_itemsize=2
+) -> int:
   """Shared memory of one work item: the K/V ring (and, for fp8 pages, the float16 block K and
-  then V is converted into), and per warpgroup its Q/output and P tiles."""
+  then V is converted into), and the Q/output and P tiles of its ``rows`` (all warpgroups')."""
   ring = 2 * config.num_stages * config.block_kv * head_dim * kv_itemsize
   staging = config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
-  rows = warpgroups * ROWS_PER_TILE
   return ring + staging + rows * (head_dim + config.block_kv) * 2 + rows * 4
 
 
@@ -219,9 +259,22 @@ def default_num_chunks(
   return max(1, min(slots // items, max_blocks // 2))
 
 
+def _transposed_rows(q, k_pages, config: TuningConfig) -> int | None:
+  """The N rows of the one transposed tile (the packed rows rounded up to 8), or None where the
+  call runs row tiles of 64 (``transposed_scores`` off, or more than 128 packed rows)."""
+  num_rows = q.shape[1] * (q.shape[2] // k_pages.shape[0])
+  if config.transposed_scores and num_rows <= MAX_TRANSPOSED_ROWS:
+    return pl.cdiv(num_rows, TRANSPOSED_ROW_ALIGN) * TRANSPOSED_ROW_ALIGN
+  return None
+
+
 def _uses_two_warpgroups(q, k_pages, config: TuningConfig) -> bool:
   num_rows = q.shape[1] * (q.shape[2] // k_pages.shape[0])
-  return config.two_warpgroup_tiles and num_rows > ROWS_PER_TILE
+  return (
+    config.two_warpgroup_tiles
+    and num_rows > ROWS_PER_TILE
+    and _transposed_rows(q, k_pages, config) is None
+  )
 
 
 def unsupported_reason(
@@ -252,6 +305,8 @@ def unsupported_reason(
     return f"block_kv={config.block_kv} must be a multiple of the page size {page_size}"
   if k_pages.dtype == FP8_DTYPE and _uses_two_warpgroups(q, k_pages, config):
     return "two_warpgroup_tiles does not serve fp8 pages (64-row tiles do)"
+  if config.merge_kernel and _transposed_rows(q, k_pages, config) is not None:
+    return "merge_kernel serves 64-row tiles only, not transposed_scores tiles"
   group = q.shape[2] // k_pages.shape[0]
   capacity = block_tables.shape[1] * page_size
   if (capacity + config.block_kv + 2 * q.shape[1]) * group >= 2**31:
@@ -287,13 +342,16 @@ def paged_decode_attention_mosaic_gpu(
   block_kv, num_stages = config.block_kv, config.num_stages
   pages_per_block = block_kv // page_size
   num_rows = q_len * group
-  # Consumer warpgroups per tile, each owning 64 of its rows.
+  transposed_rows = _transposed_rows(q, k_pages, config)
+  transposed = transposed_rows is not None
+  # Consumer warpgroups per tile, each owning 64 of its rows (transposed: one, owning all N).
   warpgroups = 2 if _uses_two_warpgroups(q, k_pages, config) else 1
-  rows_per_tile = warpgroups * ROWS_PER_TILE
+  tile_rows = transposed_rows if transposed else ROWS_PER_TILE  # rows of one warpgroup
+  rows_per_tile = warpgroups * tile_rows
   row_tiles = pl.cdiv(num_rows, rows_per_tile)
   padded_rows = row_tiles * rows_per_tile
   max_blocks = pl.cdiv(capacity, block_kv)
-  item_smem = smem_bytes(head_dim, config, warpgroups, jnp.dtype(k_pages.dtype).itemsize)
+  item_smem = smem_bytes(head_dim, config, rows_per_tile, jnp.dtype(k_pages.dtype).itemsize)
   items_per_sm = max(1, min(4, _SMEM_PER_SM // item_smem))
   slots = num_sms(config.num_sms) * items_per_sm  # work items resident at once
   num_chunks = config.num_chunks or default_num_chunks(
@@ -316,6 +374,10 @@ def paged_decode_attention_mosaic_gpu(
   else:
     chunk_lengths = jnp.zeros((1,), jnp.int32)  # unused: the kernel plans per request
   base_qk_scale = sm_scale * _LOG2E  # softmax in base 2: exp(s) = exp2(s * log2(e))
+  # Transposed scores put the rows on axis 1 (wgmma N) and the KV positions on axis 0.
+  pos_axis, row_axis = (0, 1) if transposed else (1, 0)
+  scores_shape = (block_kv, tile_rows) if transposed else (tile_rows, block_kv)
+  acc_shape = (head_dim, tile_rows) if transposed else (tile_rows, head_dim)
   # Register layout of the fp8 blocks on their way to the staging blocks.
   fp8_layout = plgpu.Layout.WGMMA_8BIT if config.fp8_8bit_layout else plgpu.Layout.WGMMA
 
@@ -324,7 +386,7 @@ def paged_decode_attention_mosaic_gpu(
   q_packed = q_packed.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
   q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
   if fp8:
-    q_packed, q_scale = _to_float16_tiles(q_packed)  # q_scale: f32 [B, Hkv, row_tiles]
+    q_packed, q_scale = _to_float16_tiles(q_packed, rows_per_tile)  # f32 [B, Hkv, row_tiles]
 
   def paged_attention_kernel(
     block_tables_ref,  # GMEM int32 [B, max_pages]
@@ -366,7 +428,7 @@ def paged_decode_attention_mosaic_gpu(
     if warpgroups > 1:
       consumed_barriers, v_zeroed_barrier = extra_scratch
       wg = lax.axis_index("wg")
-      row_base = row_base + wg * ROWS_PER_TILE
+      row_base = row_base + wg * tile_rows
       qo_smem, p_smem, lse_smem = qo_smem.at[wg], p_smem.at[wg], lse_smem.at[wg]
       q_barrier = q_barrier.at[wg]
 
@@ -401,7 +463,7 @@ def paged_decode_attention_mosaic_gpu(
     @pl.when(has_work)
     def _load_q():
       plgpu.copy_gmem_to_smem(
-        q_ref.at[request, kv_head, pl.ds(row_base, ROWS_PER_TILE)], qo_smem, q_barrier
+        q_ref.at[request, kv_head, pl.ds(row_base, tile_rows)], qo_smem, q_barrier
       )
 
     def page_ids(block):
@@ -473,27 +535,29 @@ def paged_decode_attention_mosaic_gpu(
         k_block, v_block = k_smem.at[slot], v_smem.at[slot]
 
       def compute_qk(acc_ref):
-        plgpu.wgmma(acc_ref, qo_smem, k_block.transpose((1, 0)))
+        if transposed:  # S^T = K Q^T
+          plgpu.wgmma(acc_ref, k_block, qo_smem.transpose((1, 0)))
+        else:  # S = Q K^T
+          plgpu.wgmma(acc_ref, qo_smem, k_block.transpose((1, 0)))
         return acc_ref[...]
 
-      qk = pl.run_scoped(compute_qk, plgpu.ACC((ROWS_PER_TILE, block_kv), jnp.float32))
-      qk = qk * qk_scale  # [64, block_kv], base-2 logits
+      qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
+      qk = qk * qk_scale  # base-2 logits, rows along row_axis
       if masked:
-        rows = plgpu.broadcasted_iota(
-          jnp.int32, qk.shape, 0, layout=plgpu.Layout.WGMMA
-        )  # packed row r = j * G + g
-        cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, 1, layout=plgpu.Layout.WGMMA)
+        # packed row r = j * G + g
+        rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, row_axis, layout=plgpu.Layout.WGMMA)
+        cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, pos_axis, layout=plgpu.Layout.WGMMA)
         # pos < S - q_len + 1 + j  <=>  (pos - S + q_len) * G <= r  (no division).
         visible = (cols + (block * block_kv - seq_len + q_len)) * group <= rows + row_base
         visible = visible & attendable(cols, block, pages_in_pool)
         qk = jnp.where(visible, qk, -jnp.inf)
-      m_new = jnp.maximum(m_i, qk.max(axis=1))
+      m_new = jnp.maximum(m_i, qk.max(axis=pos_axis))
       # A row that has seen nothing yet has max -inf: shift by 0 to avoid inf - inf.
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_shift)
-      p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [0]))
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
+      l_i = l_i * alpha + p.sum(axis=pos_axis)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
       plgpu.barrier_wait(v_barriers.at[slot])
       if fp8:
         keep = None
@@ -520,17 +584,24 @@ def paged_decode_attention_mosaic_gpu(
             plgpu.barrier_wait(v_zeroed_barrier)
 
       # P goes through shared memory: the wgmma A operand is read from there
-      # (the GPU interpreter only models that form).
-      p_smem[...] = p.astype(compute_dtype)
+      # (the GPU interpreter only models that form); transposed, P^T is the B operand, kept as
+      # P [N, block_kv] (K-major, the 128-byte swizzle of the A operand V^T).
+      if transposed:
+        p_smem.transpose((1, 0))[...] = p.astype(compute_dtype)
+      else:
+        p_smem[...] = p.astype(compute_dtype)
       plgpu.commit_smem()  # also orders this step's reads of the slot before its refill
       if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
 
       def compute_pv(pv_ref):
-        plgpu.wgmma(pv_ref, p_smem, v_block)
+        if transposed:  # O^T = V^T P^T
+          plgpu.wgmma(pv_ref, v_block.transpose((1, 0)), p_smem.transpose((1, 0)))
+        else:  # O = P V
+          plgpu.wgmma(pv_ref, p_smem, v_block)
         return pv_ref[...]
 
-      acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+      acc = acc + pl.run_scoped(compute_pv, plgpu.ACC(acc_shape, jnp.float32))
       if fp8:
         pass  # refilled above
       elif warpgroups == 1:
@@ -563,15 +634,10 @@ def paged_decode_attention_mosaic_gpu(
         carry,
       )
 
-    m_i = plgpu.layout_cast(
-      jnp.full((ROWS_PER_TILE,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-    )
-    l_i = plgpu.layout_cast(
-      jnp.full((ROWS_PER_TILE,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-    )
-    acc = plgpu.layout_cast(
-      jnp.full((ROWS_PER_TILE, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
-    )
+    row_layout = plgpu.Layout.WGMMA.reduce(pos_axis)
+    m_i = plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout)
+    l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
     pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
     acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
 
@@ -579,11 +645,14 @@ def paged_decode_attention_mosaic_gpu(
     # it must reach the output as on the XLA path, not pass for "saw nothing".
     seen = l_i != 0.0
     inv_l = 1.0 / jnp.where(seen, l_i, 1.0)
-    acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-    qo_smem[...] = acc.astype(compute_dtype)
+    acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [row_axis])
+    if transposed:
+      qo_smem.transpose((1, 0))[...] = acc.astype(compute_dtype)
+    else:
+      qo_smem[...] = acc.astype(compute_dtype)
     lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
     plgpu.commit_smem()
-    tile = pl.ds(row_base, ROWS_PER_TILE)
+    tile = pl.ds(row_base, tile_rows)
     pl.when(stores_tile)(lambda: plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[item, kv_head, tile]))
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[item, kv_head, tile])
     plgpu.wait_smem_to_gmem(0)
@@ -596,11 +665,11 @@ def paged_decode_attention_mosaic_gpu(
     kv_transforms = transforms
   per_warpgroup = (warpgroups,) if warpgroups > 1 else ()
   scratch = [
-    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, head_dim), compute_dtype, transforms=transforms),
+    plgpu.SMEM((*per_warpgroup, tile_rows, head_dim), compute_dtype, transforms=transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
-    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE, block_kv), compute_dtype, transforms=transforms),
-    plgpu.SMEM((*per_warpgroup, ROWS_PER_TILE), jnp.float32),
+    plgpu.SMEM((*per_warpgroup, tile_rows, block_kv), compute_dtype, transforms=transforms),
+    plgpu.SMEM((*per_warpgroup, tile_rows), jnp.float32),
     plgpu.Barrier(num_barriers=warpgroups) if warpgroups > 1 else plgpu.Barrier(),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
@@ -644,9 +713,10 @@ def paged_decode_attention_mosaic_gpu(
 
 
 def _to_float16_tiles(
-  q_packed: jax.Array,  # [B, Hkv, R, D], bf16 or f16, R a multiple of ROWS_PER_TILE
-) -> tuple[jax.Array, jax.Array]:  # f16 [B, Hkv, R, D], f32 [B, Hkv, R / ROWS_PER_TILE]
-  """``q / s`` in float16 with ``s`` a power of two per 64-row tile, and ``s``.
+  q_packed: jax.Array,  # [B, Hkv, R, D], bf16 or f16, R a multiple of tile_rows
+  tile_rows: int = ROWS_PER_TILE,
+) -> tuple[jax.Array, jax.Array]:  # f16 [B, Hkv, R, D], f32 [B, Hkv, R / tile_rows]
+  """``q / s`` in float16 with ``s`` a power of two per tile of ``tile_rows`` rows, and ``s``.
 
   ``s = 2^(e - 15)`` where the tile's largest finite magnitude is below ``2^e``, so every
   finite value of ``q / s`` is below 2^15 (float16 reaches 65504) and, within 2^29 of the
@@ -656,7 +726,7 @@ def _to_float16_tiles(
   count as 0, as in XLA's float32 arithmetic.
   """
   batch, num_kv_heads, rows, head_dim = q_packed.shape
-  tiles = q_packed.astype(jnp.float32).reshape(batch, num_kv_heads, -1, ROWS_PER_TILE, head_dim)
+  tiles = q_packed.astype(jnp.float32).reshape(batch, num_kv_heads, -1, tile_rows, head_dim)
   magnitude = jnp.where(jnp.isfinite(tiles), jnp.abs(tiles), 0.0)
   largest = jnp.max(magnitude, axis=(3, 4))  # [B, Hkv, row_tiles]
   _, exponent = jnp.frexp(largest)  # largest = m * 2^exponent, 0.5 <= m < 1
