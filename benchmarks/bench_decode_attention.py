@@ -528,16 +528,25 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False):
 
   ``shapes``: ``(name, seq_lens, q_lens, G, D, fp8)``. Also reports the largest difference
   between the two outputs on one input (bf16 rounding of differently split chunks, ~1e-2; a
-  broken tile shows as NaN or ~1). Writes ``results/{stem}.{json,md}``.
+  broken tile shows as NaN or ~1). Writes ``results/{stem}.{json,md}`` after every shape, so
+  a run cut short keeps the shapes it finished.
   """
   timing = {"reps": 1, "warmup": 0} if smoke else {}
-  rows, configs = [], {}
+  meta = {
+    "gpu": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "setup": f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
+    + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
+    "configs": {},
+  }
+  rows = []
   for name, seq_lens, q_lens, group, head_dim, fp8 in shapes:
     old_config = default_config(head_dim, PAGE_SIZE, FP8 if fp8 else DTYPE)
     if smoke:  # interpret mode: tiny and unsplit
       old_config = dataclasses.replace(old_config, num_chunks=1)
     new_config = variant(old_config)
-    configs[f"{name} G{group} D{head_dim}" + (" fp8" if fp8 else "")] = {
+    meta["configs"][f"{name} G{group} D{head_dim}" + (" fp8" if fp8 else "")] = {
       "default": dataclasses.asdict(old_config),
       "variant": dataclasses.asdict(new_config),
     }
@@ -582,15 +591,13 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False):
         row["max_abs_difference"] = float(jnp.max(difference))
       rows.append(row)
     del batch
-  meta = {
-    "gpu": jax.devices()[0].device_kind,
-    "jax": jax.__version__,
-    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    "setup": f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
-    + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
-    "configs": configs,
-  }
-  (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out_dir / f"{stem}.md").write_text(render_config_check(title, meta, rows))
+  print(render_config_check(title, meta, rows))
+
+
+def render_config_check(title, meta, rows) -> str:
+  """The markdown table of a ``config_check`` run."""
 
   def cell(entry):
     if "us" not in entry:
@@ -617,9 +624,7 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False):
       f"| {row['shape']} | {row['q_len']} | {row['G']} | {row['D']} | {cell(old)} | {cell(new)} "
       f"| {speedup} | {difference} |"
     )
-  markdown = "\n".join(lines) + "\n"
-  (out_dir / f"{stem}.md").write_text(markdown)
-  print(markdown)
+  return "\n".join(lines) + "\n"
 
 
 def two_warpgroup_check(rng, out_dir, smoke=False):
