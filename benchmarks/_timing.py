@@ -17,6 +17,7 @@ shorter than its own host dispatch measures the dispatch instead: use larger
 
 ``time_stateful`` times a step that threads (and donates) its state, such as a KV
 cache: wall time of ``iters`` calls back to back, synchronisation included.
+``dispatch_seconds`` times only the host's enqueueing of one such call on an idle device.
 ``profile_stateful`` runs such a step under CUPTI and returns each call's GPU
 kernels with their device-side times.
 
@@ -72,6 +73,20 @@ def time_stateful(step, state, iters: int = 10, reps: int = 5, warmup: int = 2):
       state = step(state)
     jax.block_until_ready(state)
     samples.append((time.perf_counter() - start) / iters)
+  return statistics.median(samples), state
+
+
+def dispatch_seconds(step, state, reps: int):
+  """Median host time for ``state = step(state)`` to return on an idle device: the enqueueing
+  alone. A step is host-bound where this approaches its ``time_stateful`` time. Returns
+  (seconds, final state)."""
+  samples = []
+  for _ in range(reps):
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    state = step(state)
+    samples.append(time.perf_counter() - start)
+  jax.block_until_ready(state)
   return statistics.median(samples), state
 
 

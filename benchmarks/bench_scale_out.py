@@ -33,7 +33,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +45,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxspec
-from benchmarks._timing import ProfileFailed, profile_stateful, time_stateful
+from benchmarks._timing import ProfileFailed, dispatch_seconds, profile_stateful, time_stateful
 from jaxspec.model import sharding
 from jaxspec.model.config import glm45_air, tiny
 from jaxspec.model.metadata import KernelChoices
@@ -80,19 +79,6 @@ def _wall_seconds(fn, args_list, iters: int) -> float:
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - start) / iters)
   return float(np.median(samples))
-
-
-def _dispatch_seconds(step, state, reps: int):
-  """Median host time for `state = step(state)` to return on an idle device: the enqueueing
-  alone. A step is host-bound where this approaches its `time_stateful` time."""
-  samples = []
-  for _ in range(reps):
-    jax.block_until_ready(state)
-    start = time.perf_counter()
-    state = step(state)
-    samples.append(time.perf_counter() - start)
-  jax.block_until_ready(state)
-  return statistics.median(samples), state
 
 
 def _read_bandwidth(mesh, gib_per_device: float) -> float:
@@ -357,7 +343,7 @@ def main():
       return decode(cache)[1]
 
     seconds, cache = time_stateful(run, cache, args.iters, args.reps)
-    dispatch, cache = _dispatch_seconds(run, cache, args.reps)
+    dispatch, cache = dispatch_seconds(run, cache, args.reps)
     _, expert_bytes = _weight_bytes(model, batch)
     kv_bytes = batch * (args.context + 1) * kv_per_token
     per_gpu = (dense_bytes + expert_bytes + kv_bytes) / mesh.devices.size
@@ -383,7 +369,7 @@ def main():
   # kernel launches.
   noop = jax.jit(lambda params, cache: cache, donate_argnums=1)
   cache = noop(params, cache)  # compiles
-  results["noop_dispatch_s"], cache = _dispatch_seconds(
+  results["noop_dispatch_s"], cache = dispatch_seconds(
     lambda cache: noop(params, cache), cache, args.reps
   )
   log(f"no-op program with the step's arguments: {results['noop_dispatch_s'] * 1e3:.2f} ms")

@@ -1,0 +1,221 @@
+"""Where the embedded default model's decode time goes: the plain step against the MTP cycle.
+
+The default model (4 target layers + 1 MTP layer, hidden 320) is far too small to be bound by
+its weights or its KV: at batch 1 a step is a few hundred small kernels, and the speed-up of
+speculative decoding over plain decoding is set by how many of them, and how fast the host
+launches them, a k = 3 cycle (verify the last token and 3 drafts, then 3 MTP passes) costs
+against one plain decode step. In one process, at batch 1 with `--context` cached tokens:
+
+1. per step (`decode_step`, and `cycle_step` with k drafts, pruned as the engine runs it): the
+   GPU kernels it launches and their summed device time (CUPTI; GPU only), its time back to back
+   (`time_stateful`), and the host time for one call to return on an idle device
+   (`dispatch_seconds`), next to a no-op program that takes the same parameters and cache;
+2. end to end, `Generator` against `SpeculativeGenerator` on the README's prompt (greedy,
+   `--max-new-tokens`, the median of `--repeats` alternating runs), as `generate --compare`.
+
+`--moe` repeats everything with other routed-expert implementations (`KernelChoices.moe`).
+Results: `--out`.json / .md. `--smoke` runs a few repeats on the CPU (no kernel profile).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks._timing import ProfileFailed, dispatch_seconds, profile_stateful, time_stateful
+from jaxspec.__main__ import DEFAULT_MODEL
+from jaxspec.model.metadata import KernelChoices
+from jaxspec.model.weights import load_pretrained
+from jaxspec.serving.engine import EngineConfig, Generator
+from jaxspec.serving.kv_cache import BlockAllocator
+from jaxspec.serving.model_graph import split_model
+from jaxspec.serving.sampling import GREEDY
+from jaxspec.serving.spec_steps import cycle_step
+from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
+from jaxspec.serving.steps import decode_step
+from jaxspec.tokenizer import load_tokenizer
+
+RESULTS = Path(__file__).parent / "results"
+PROMPT = "def fibonacci(n):"
+
+
+def step_programs(model, kernels: KernelChoices, context: int, num_draft: int, page_size: int):
+  """(cache, {name: step}) for one request of `context` cached tokens: `plain` is a decode
+  step, `cycle` a verify + draft cycle; each step maps the cache to (outputs, cache)."""
+  graph, params = split_model(model)
+  pages = -(-(context + 2 * (num_draft + 1)) // page_size)
+  allocator = BlockAllocator(pages, page_size, shuffle_seed=0)
+  block_tables = jnp.asarray([allocator.allocate(pages)], jnp.int32)
+  cache = model.init_cache(allocator.num_pages, page_size, draft=True)
+  key = jax.random.key_data(jax.random.key(0))
+  seq_lens = jnp.asarray([context], jnp.int32)
+  statics = dict(sampling=GREEDY, kernels=kernels)
+
+  def plain(cache):
+    tokens = jnp.ones((1, 1), jnp.int32)
+    return decode_step(graph, params, cache, tokens, seq_lens, block_tables, key, **statics)
+
+  def cycle(cache):
+    last, drafts = jnp.ones((1,), jnp.int32), jnp.ones((1, num_draft), jnp.int32)
+    *outputs, cache = cycle_step(
+      graph,
+      params,
+      cache,
+      last,
+      drafts,
+      None,
+      seq_lens,
+      block_tables,
+      key,
+      num_draft=num_draft,
+      prune=True,
+      **statics,
+    )
+    return outputs, cache
+
+  noop = jax.jit(lambda params, cache: cache, donate_argnums=1)
+
+  def no_op(cache):
+    cache = noop(params, cache)
+    return cache, cache
+
+  return cache, {"plain": plain, "cycle": cycle, "no_op": no_op}
+
+
+def measure_steps(model, kernels, args) -> dict:
+  cache, steps = step_programs(model, kernels, args.context, args.spec_tokens, args.page_size)
+  row = {}
+  for name, step in steps.items():
+    seconds, cache = time_stateful(lambda c, step=step: step(c)[1], cache, args.iters, args.reps)
+    dispatch, cache = dispatch_seconds(lambda c, step=step: step(c)[1], cache, 5 * args.reps)
+    row[name] = {"step_s": seconds, "dispatch_s": dispatch}
+    if name == "no_op":
+      continue
+    try:
+      per_call, cache = profile_stateful(step, cache, iterations=3)
+    except ProfileFailed as error:  # the CPU: no CUPTI
+      cache = error.state
+      row[name]["profile"] = str(error)[:200]
+      continue
+    kernel_seconds = [sum(t for _, t in call) for call in per_call]
+    row[name].update(kernels=len(per_call[0]), gpu_s=statistics.median(kernel_seconds))
+  return row
+
+
+def measure_generation(model, args) -> dict:
+  """Median tokens/s of plain and speculative generation (alternating runs), as `generate
+  --compare` measures them (the engine's own kernel choices)."""
+  prompt = load_tokenizer(DEFAULT_MODEL).encode_prompt(PROMPT)
+  config = EngineConfig(max_batch_size=1, max_seq_len=len(prompt) + args.max_new_tokens)
+  engines = {
+    "speculative": SpeculativeGenerator(model, config, SpeculativeConfig(args.spec_tokens)),
+    "plain": Generator(model, config),
+  }
+  runs = {name: [] for name in engines}
+  for repeat in range(args.repeats + 1):  # the first round compiles
+    for name, engine in engines.items():
+      out = engine.generate([prompt], max_new_tokens=args.max_new_tokens, sampling=GREEDY)
+      if repeat:
+        runs[name].append(out.metrics)
+  result = {}
+  for name, metrics in runs.items():
+    median = sorted(metrics, key=lambda m: m.tokens_per_s)[len(metrics) // 2]
+    result[name] = {
+      "tokens_per_s": median.tokens_per_s,
+      "tokens": median.generated_tokens,
+      "tokens_per_step": median.mean_accepted_length if name == "speculative" else 1.0,
+    }
+  result["speed_up"] = result["speculative"]["tokens_per_s"] / result["plain"]["tokens_per_s"]
+  return result
+
+
+def render(results) -> str:
+  meta = results["meta"]
+  lines = [
+    "# The default model's plain decode step against its speculative cycle",
+    "",
+    f"{meta['device']}, jax {meta['jax']}, {meta['date']}; batch 1, {meta['context']} cached "
+    f"tokens, k = {meta['spec_tokens']}, bf16; XLA_FLAGS: `{meta['xla_flags'] or '(none)'}`. "
+    "Step: back-to-back time per call; dispatch: host time for one call to return on an idle "
+    "device; kernels and GPU time: CUPTI, one call. Command: "
+    f"`{meta['command']}`.",
+    "",
+    "| MoE | step | kernels | GPU time | step time | host dispatch |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
+
+  def ms(value):
+    return f"{value * 1e3:.3f} ms" if value is not None else "n/a"
+
+  for moe, row in results["steps"].items():
+    for name in ("plain", "cycle", "no_op"):
+      entry = row[name]
+      lines.append(
+        f"| {moe} | {name} | {entry.get('kernels', 'n/a')} | {ms(entry.get('gpu_s'))} "
+        f"| {ms(entry['step_s'])} | {ms(entry['dispatch_s'])} |"
+      )
+    plain, cycle = row["plain"], row["cycle"]
+    ratios = [f"time {cycle['step_s'] / plain['step_s']:.2f}x"]
+    if "kernels" in plain and "kernels" in cycle:
+      ratios.append(f"kernels {cycle['kernels'] / plain['kernels']:.2f}x")
+      ratios.append(f"GPU time {cycle['gpu_s'] / plain['gpu_s']:.2f}x")
+    lines.append(f"| {moe} | cycle / plain | {' / '.join(ratios)} | | | |")
+  generation = results["generation"]
+  lines += [
+    "",
+    f"End to end (`{PROMPT}`, greedy, {meta['max_new_tokens']} new tokens at most, the median "
+    f"of {meta['repeats']} alternating runs): plain "
+    f"{generation['plain']['tokens_per_s']:.0f} tok/s, speculative "
+    f"{generation['speculative']['tokens_per_s']:.0f} tok/s "
+    f"({generation['speculative']['tokens_per_step']:.2f} tokens per cycle, "
+    f"{generation['speculative']['tokens']} tokens): {generation['speed_up']:.2f}x.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--moe", nargs="+", default=["auto"], help="KernelChoices.moe values")
+  parser.add_argument("--context", type=int, default=70)
+  parser.add_argument("--spec-tokens", type=int, default=3)
+  parser.add_argument("--page-size", type=int, default=16)
+  parser.add_argument("--max-new-tokens", type=int, default=128)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--reps", type=int, default=7)
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--smoke", action="store_true", help="few repeats, for a CPU check")
+  parser.add_argument("--out", type=Path, default=RESULTS / "default_model_steps")
+  args = parser.parse_args()
+  if args.smoke:
+    args.iters, args.reps, args.repeats, args.max_new_tokens = 2, 1, 1, 8
+  model = load_pretrained(DEFAULT_MODEL, jnp.bfloat16)
+  results = {
+    "meta": {
+      "device": jax.devices()[0].device_kind,
+      "jax": jax.__version__,
+      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "command": " ".join(["python benchmarks/bench_default_model_steps.py", *sys.argv[1:]]),
+      **{k: getattr(args, k) for k in ("context", "spec_tokens", "max_new_tokens", "repeats")},
+    },
+    "steps": {},
+  }
+  for moe in args.moe:
+    results["steps"][moe] = measure_steps(model, KernelChoices(moe=moe), args)
+    print(moe, json.dumps(results["steps"][moe]), flush=True)
+  results["generation"] = measure_generation(model, args)
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+  markdown = render(results)
+  args.out.with_suffix(".md").write_text(markdown)
+  print(markdown)
+
+
+if __name__ == "__main__":
+  main()
