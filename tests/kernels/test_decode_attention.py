@@ -290,6 +290,13 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     *inputs.arrays, impl="auto", interpret=True, config=config, **inputs.scales
   )
   check(out, inputs)
+  # The merge kernel serves 64-row tiles only: with transposed scores it is refused, and auto
+  # falls back to the XLA path.
+  inputs = make_inputs(rng, [9, 20], 1, 1, 8, 64, 16, BF16)
+  config = TuningConfig(num_chunks=2, merge_kernel=True, transposed_scores=True)
+  with pytest.raises(ValueError, match="merge_kernel serves 64-row tiles only"):
+    paged_decode_attention(*inputs.arrays, impl="pallas", interpret=True, config=config)
+  check(paged_decode_attention(*inputs.arrays, impl="auto", interpret=True, config=config), inputs)
 
 
 @pytest.mark.parametrize(
@@ -302,6 +309,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("balance_waves", 0),
     ("num_sms", 0),
     ("merge_kernel", 1),
+    ("transposed_scores", 1),
     ("fp8_8bit_layout", None),
   ],
 )
