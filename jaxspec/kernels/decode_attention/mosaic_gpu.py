@@ -56,9 +56,9 @@ transposed, as ``P [N, block_kv]``, so that ``O^T = V^T P^T`` reads V^T as a
 transposed A and P^T as a transposed B with the 128-byte swizzle of the other
 tiles; the output tile is stored transposed into the Q tile. Per step a warp
 then holds ``block_kv * N / 128`` scores instead of 32, which is what pays at
-small N (plain decoding: one row per query head); from 24 rows on, the
-cross-warp reductions and the wider accumulators cost more than the padding
-they save (``default_config``).
+small N (plain decoding: one row per query head); from 24 rows on it measured
+equal or slower than the 64-row tiles (``default_config``; the reductions
+across warps are the suspect, not yet profiled).
 
 Pages a request may not attend (``reference.py`` states the rule): a page past
 the request's length (or the table's capacity) or with an id outside
