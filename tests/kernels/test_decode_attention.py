@@ -146,8 +146,9 @@ FP8_CASES = [
 # Transposed scores (TuningConfig.transposed_scores): S^T = K Q^T and O^T = V^T P^T with the
 # packed rows as the wgmma N dimension, rounded up to 8. One row (N 8), rows that are not a
 # multiple of 8 (G 3, q_len 5: N 16), 84 rows in one tile (G 12, q_len 7: N 88), 128 rows (the
-# most one tile takes), more than 128 (back to 64-row tiles), fp8 pages, 128-position blocks,
-# chunking with the balanced plan, ring refills, rows that see nothing and padding slots.
+# most one tile takes), more than 128 (back to 64-row tiles), fp8 pages, 128-position blocks
+# (pages of 64 and 128), chunking with the balanced plan, ring refills, rows that see nothing and
+# padding slots.
 TRANSPOSED_CASES = [
   KernelCase(
     seq_lens, q_len, hkv, g, d, page, dtype, dataclasses.replace(cfg, transposed_scores=True), fp8
@@ -171,6 +172,7 @@ TRANSPOSED_CASES = [
     ),
     ((130, 3, 64), 7, 1, 12, 128, 32, BF16, TuningConfig(num_stages=2, num_chunks=2), True),
     ((70, 1), 1, 2, 8, 64, 16, F16, TuningConfig(num_stages=1, fp8_8bit_layout=True), True),
+    ((300, 129, 0), 1, 1, 8, 128, 128, BF16, TuningConfig(block_kv=128, num_stages=2), False),
   ]
 ]
 
