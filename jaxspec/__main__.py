@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import argtypes
+from jaxspec.compile_cache import enable_compile_cache
 from jaxspec.evaluation import EvalConfig, evaluate, format_table, held_out_prompts
 from jaxspec.model.weights import load_pretrained, read_config
 from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator
@@ -371,4 +372,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  enable_compile_cache()  # the command line only: a second run reuses the compiled steps
   sys.exit(main())

@@ -1,10 +1,15 @@
 """Shared test set-up: GPU-only tests are skipped on the CPU; `load_script` for scripts/."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import jax
 import pytest
+
+# `python -m jaxspec` run by a test writes no compilation cache of its own (tests of the cache
+# set the variable themselves).
+os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "off")
 
 
 def _on_gpu() -> bool:
