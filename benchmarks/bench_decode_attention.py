@@ -610,8 +610,9 @@ def render_config_check(title, meta, rows) -> str:
     "",
     f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}. "
     "Time per call / effective KV TB/s (unique KV bytes, in the pages' dtype, / time); "
-    f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets. Configs per shape in the "
-    "JSON file.",
+    f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets. 'default' is "
+    "`default_config(D, page, pages' dtype)` without the packed-row count (so 64-row tiles), "
+    "'variant' the config under test; both per shape in the JSON file.",
     "",
     "| shape | q_len | G | D | default | variant | speedup | max abs difference |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",
