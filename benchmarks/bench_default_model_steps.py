@@ -13,7 +13,8 @@ against one plain decode step. In one process, at batch 1 with `--context` cache
 2. end to end, `Generator` against `SpeculativeGenerator` on the README's prompt (greedy,
    `--max-new-tokens`, the median of `--repeats` alternating runs), as `generate --compare`.
 
-`--moe` repeats everything with other routed-expert implementations (`KernelChoices.moe`).
+`--moe` repeats the step measurements with other routed-expert implementations
+(`KernelChoices.moe`); the end-to-end runs use the engine's own choice.
 Results: `--out`.json / .md. `--smoke` runs a few repeats on the CPU (no kernel profile).
 """
 
