@@ -167,8 +167,9 @@ def _require_device_contract(block_tables, seq_lens, num_pages: int, page_size: 
 
 
 def _default_config(q, k_pages, *_, **__) -> mosaic_gpu.TuningConfig:
-  num_rows = q.shape[1] * (q.shape[2] // k_pages.shape[0])  # packed rows, G * q_len
-  return mosaic_gpu.default_config(q.shape[-1], k_pages.shape[2], k_pages.dtype, num_rows)
+  return mosaic_gpu.default_config(
+    q.shape[-1], k_pages.shape[2], k_pages.dtype, mosaic_gpu.packed_rows(q, k_pages)
+  )
 
 
 OP = KernelOp(

@@ -259,20 +259,24 @@ def default_num_chunks(
   return max(1, min(slots // items, max_blocks // 2))
 
 
+def packed_rows(q, k_pages) -> int:
+  """Rows one (request, KV head) pair packs: ``G * q_len`` (q ``[B, q_len, Hq, D]``)."""
+  return q.shape[1] * (q.shape[2] // k_pages.shape[0])
+
+
 def _transposed_rows(q, k_pages, config: TuningConfig) -> int | None:
   """The N rows of the one transposed tile (the packed rows rounded up to 8), or None where the
   call runs row tiles of 64 (``transposed_scores`` off, or more than 128 packed rows)."""
-  num_rows = q.shape[1] * (q.shape[2] // k_pages.shape[0])
+  num_rows = packed_rows(q, k_pages)
   if config.transposed_scores and num_rows <= MAX_TRANSPOSED_ROWS:
     return pl.cdiv(num_rows, TRANSPOSED_ROW_ALIGN) * TRANSPOSED_ROW_ALIGN
   return None
 
 
 def _uses_two_warpgroups(q, k_pages, config: TuningConfig) -> bool:
-  num_rows = q.shape[1] * (q.shape[2] // k_pages.shape[0])
   return (
     config.two_warpgroup_tiles
-    and num_rows > ROWS_PER_TILE
+    and packed_rows(q, k_pages) > ROWS_PER_TILE
     and _transposed_rows(q, k_pages, config) is None
   )
 
