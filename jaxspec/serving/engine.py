@@ -40,7 +40,8 @@ KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")  # "auto": the model's dtype
 class EngineConfig:
   """Static sizes and kernel choices of the serving engine.
 
-  `num_pages` defaults to enough pages for `max_batch_size` requests of `max_seq_len` tokens.
+  `num_pages` defaults to enough pages for `max_batch_size` requests of `max_seq_len` tokens; the
+  cache holds one page more, the spill page (`spill_page`).
   `attention_impl` picks `paged_decode_attention`'s implementation and `index_conversion_impl`
   (default: the same) `convert_topk_to_physical`'s, for GLM-5 models. `kv_cache_dtype`
   "float8_e4m3fn" keeps the KV pages in fp8 (half the bytes to read; GQA models), quantised on
@@ -95,6 +96,14 @@ class EngineConfig:
   @property
   def total_pages(self) -> int:
     return self.num_pages or self.max_batch_size * self.max_pages_per_request
+
+  @property
+  def spill_page(self) -> int:
+    """The cache's extra last page, never handed out: block-table entries past a request's own
+    pages point at it, so rows written past a request's allocation (the drafts of its last
+    cycle, a step dispatched before the host saw it finish) land there, not in another
+    request's page."""
+    return self.total_pages
 
   @property
   def kernels(self) -> KernelChoices:
@@ -297,7 +306,7 @@ class Generator:
   def _new_cache(self) -> ModelCache:
     cfg = self.config
     return self.model.init_cache(
-      cfg.total_pages,
+      cfg.total_pages + 1,  # + the spill page
       cfg.page_size,
       dtype=None if cfg.kv_cache_dtype == "auto" else jnp.dtype(cfg.kv_cache_dtype),
       draft=self.strategy.needs_draft_cache,
@@ -467,7 +476,7 @@ class Generator:
     prompt_bucket = min(bucket(max(map(len, prompts)), cfg.min_prompt_bucket), cfg.max_seq_len)
     input_ids = np.zeros((batch, prompt_bucket), np.int32)
     prompt_lens = np.zeros((batch,), np.int32)
-    block_tables = np.zeros((batch, cfg.max_pages_per_request), np.int32)
+    block_tables = np.full((batch, cfg.max_pages_per_request), cfg.spill_page, np.int32)
     owned = []
     try:
       for b, prompt in enumerate(prompts):

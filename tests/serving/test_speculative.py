@@ -218,3 +218,32 @@ def test_sampled_speculative_decoding_is_reproducible(bigram_model):
   assert runs[0].tokens == runs[1].tokens
   assert all(len(t) == 12 for t in runs[0].tokens)
   assert runs[0].metrics["acceptance_rate"] > 0.2
+
+
+@pytest.mark.parametrize("k", [5, 7])
+def test_rows_past_a_requests_pages_land_in_the_spill_page(bigram_model, monkeypatch, k):
+  """The drafts of a request's last cycle reach up to 2k - 2 positions past its last token, its
+  pages only k + 1: the rows past its pages must land in the spill page, and every page the
+  wave never owned keep its zeros, in every layer's cache and the MTP layer's. Page 0 is among
+  those: block tables padded with 0 would send the rows there, into another request's page when
+  that request owns it (its drafts change, which losslessness alone does not show)."""
+  engine = SpeculativeGenerator(bigram_model, ENGINE, SpeculativeConfig(k))
+  owned, allocate = set(), engine.allocator.allocate
+
+  def recording(num_pages):
+    pages = allocate(num_pages)
+    owned.update(pages)
+    return pages
+
+  monkeypatch.setattr(engine.allocator, "allocate", recording)
+  # 20 tokens: a last cycle that accepts enough drafts to write past its request's pages.
+  out = engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=())
+  assert all(len(tokens) == 20 for tokens in out.tokens)
+  never_owned = sorted(set(range(ENGINE.total_pages)) - owned)
+  assert 0 in never_owned and ENGINE.spill_page not in owned
+  spill_written = False
+  for pages in jax.tree.leaves(engine.cache):  # [Hkv, num_pages + 1, page_size, D]
+    pages = np.asarray(pages)
+    assert not pages[:, never_owned].any()
+    spill_written |= bool(pages[:, ENGINE.spill_page].any())
+  assert spill_written, "no row went past its request's pages: the test no longer tests them"
