@@ -37,7 +37,7 @@ from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.kv_cache import BlockAllocator
 from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
-from jaxspec.serving.spec_steps import cycle_step
+from jaxspec.serving.spec_steps import CycleState, cycle_step
 from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
 from jaxspec.serving.steps import decode_step
 from jaxspec.tokenizer import load_tokenizer
@@ -59,24 +59,14 @@ def step_programs(model, kernels: KernelChoices, context: int, num_draft: int, p
   statics = dict(sampling=GREEDY, kernels=kernels)
 
   def plain(cache):
-    tokens = jnp.ones((1, 1), jnp.int32)
+    tokens = jnp.ones((1,), jnp.int32)
     return decode_step(graph, params, cache, tokens, seq_lens, block_tables, key, **statics)
 
   def cycle(cache):
     last, drafts = jnp.ones((1,), jnp.int32), jnp.ones((1, num_draft), jnp.int32)
+    state = CycleState(last, drafts, None, seq_lens)
     *outputs, cache = cycle_step(
-      graph,
-      params,
-      cache,
-      last,
-      drafts,
-      None,
-      seq_lens,
-      block_tables,
-      key,
-      num_draft=num_draft,
-      prune=True,
-      **statics,
+      graph, params, cache, state, block_tables, key, num_draft=num_draft, prune=True, **statics
     )
     return outputs, cache
 

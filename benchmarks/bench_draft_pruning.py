@@ -37,7 +37,7 @@ from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.kv_cache import BlockAllocator
 from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
-from jaxspec.serving.spec_steps import DraftInputs, cycle_step, draft_step, verify_step
+from jaxspec.serving.spec_steps import CycleState, DraftInputs, cycle_step, draft_step, verify_step
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -114,19 +114,9 @@ def bench_cycle(model, batch, k, context, page_size, iters, reps, moe, with_draf
       times[f"{name}_{tag}"], cache = time_stateful(draft, cache, iters, reps)
 
     def cycle(cache, prune=prune):  # the engine's cycle: verify and draft in one program
+      state = CycleState(tokens[:, 0], tokens[:, 1:], None, seq_lens)
       *_, cache = cycle_step(
-        graph,
-        params,
-        cache,
-        tokens[:, 0],
-        tokens[:, 1:],
-        None,
-        seq_lens,
-        block_tables,
-        key,
-        num_draft=k,
-        prune=prune,
-        **statics,
+        graph, params, cache, state, block_tables, key, num_draft=k, prune=prune, **statics
       )
       return cache
 

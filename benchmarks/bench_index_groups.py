@@ -88,7 +88,7 @@ def compile_steps(config, batches, context, impl, progress):
   rng = np.random.default_rng(0)
   inputs = {
     batch: (
-      jnp.asarray(rng.integers(0, config.vocab_size, (batch, 1)), jnp.int32),  # tokens [B, 1]
+      jnp.asarray(rng.integers(0, config.vocab_size, (batch,)), jnp.int32),  # tokens [B]
       jnp.full((batch,), context + 1, jnp.int32),  # seq_lens [B]: the new token is the last
       block_tables[:batch],
       jax.random.key(batch),

@@ -52,7 +52,7 @@ from jaxspec.model.metadata import KernelChoices
 from jaxspec.serving.kv_cache import BlockAllocator
 from jaxspec.serving.model_graph import split_model
 from jaxspec.serving.sampling import GREEDY
-from jaxspec.serving.spec_steps import DraftInputs, cycle_step, draft_step, verify_step
+from jaxspec.serving.spec_steps import CycleState, DraftInputs, cycle_step, draft_step, verify_step
 from jaxspec.serving.steps import decode_step
 
 RESULTS = Path(__file__).parent / "results"
@@ -314,7 +314,7 @@ def main():
       graph,
       params,
       cache,
-      tokens(batch, 1),
+      tokens(batch, 1)[:, 0],
       jnp.full((batch,), args.context + 1, jnp.int32),
       block_tables[:batch],
       jax.random.key(0),
@@ -326,7 +326,7 @@ def main():
 
   def decode_call(batch):
     """`cache -> (next_tokens, cache)`: the compiled decode step of `batch` requests."""
-    step, token_ids = compiled[batch], tokens(batch, 1)
+    step, token_ids = compiled[batch], tokens(batch, 1)[:, 0]
     seq_lens = jnp.full((batch,), args.context + 1, jnp.int32)
     return lambda cache: step(
       params, cache, token_ids, seq_lens, block_tables[:batch], jax.random.key(0)
@@ -395,14 +395,17 @@ def main():
       inputs = _draft_inputs(config, batch, k, args.context, block_tables[:batch], rng)
       for prune in (True, False):
         drafting = dict(num_draft=k, sampling=GREEDY, kernels=KERNELS, prune=prune)
-        lowered["cycle", batch, k, prune] = cycle_step.trace(
-          graph,
-          params,
-          cache,
+        state = CycleState(
           tokens(batch, 1)[:, 0],
           tokens(batch, k),
           None,
           jnp.full((batch,), args.context + q_len, jnp.int32),
+        )
+        lowered["cycle", batch, k, prune] = cycle_step.trace(
+          graph,
+          params,
+          cache,
+          state,
           block_tables[:batch],
           jax.random.key(0),
           **drafting,
@@ -438,9 +441,8 @@ def main():
           return draft(params, cache, inputs, key)[-1]
 
         def run_cycle(cache, cycle=cycle, token_ids=token_ids, seq_lens=seq_lens, batch=batch):
-          last, drafts = token_ids[:, 0], token_ids[:, 1:]
-          tables = block_tables[:batch]
-          return cycle(params, cache, last, drafts, None, seq_lens, tables, key)[-1]
+          state = CycleState(token_ids[:, 0], token_ids[:, 1:], None, seq_lens)
+          return cycle(params, cache, state, block_tables[:batch], key)[-1]
 
         tag = "pruned" if prune else "unpruned"
         row[f"draft_{tag}_s"], cache = time_stateful(run_draft, cache, args.iters, args.reps)

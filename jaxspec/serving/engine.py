@@ -4,7 +4,12 @@
 batch bucket (a power of two up to `max_batch_size`) and a prompt-length bucket, hands out pages,
 runs the target prefill, then asks its `DecodingStrategy` for one decode step at a time until
 every request has hit a stop token or `max_new_tokens`; it applies stop tokens and lengths, times
-the steps and reports progress. Only the emitted token ids come back to the host each step.
+the steps and reports progress. Only the emitted token ids come back to the host each step, and
+the loop runs one step ahead: step i + 1 is dispatched before step i's tokens are read, its inputs
+being step i's outputs on the device, so the device never waits for the host's bookkeeping and
+the host's dispatch overlaps the device's work (vLLM's asynchronous scheduling). A request that
+finishes in step i has also been given step i + 1; those rows are dropped, and the rows it writes
+past the request's pages go to the spill page.
 
 Strategies: `PlainDecoding` (one token per target step) here, `MtpDecoding` (draft k tokens with
 the MTP layer, verify them with the target) in `jaxspec.serving.speculative`.
@@ -172,8 +177,7 @@ class Wave:
 
   input_ids: np.ndarray  # int32 [B, T] prompts, zero padded
   prompt_lens: np.ndarray  # int32 [B], 0 = padding slot
-  block_tables: jax.Array  # int32 [B, max_pages]
-  committed: np.ndarray  # int32 [B] tokens in the target's cache per request
+  block_tables: jax.Array  # int32 [B, max_pages], padded with the spill page
   done: np.ndarray  # bool [B]; padding slots start done
   sampling: SamplingParams
   key: jax.Array  # the wave's PRNG key
@@ -205,11 +209,13 @@ class Prefill:
 
 
 class WaveDecoder(Protocol):
-  """A strategy's decoding state for one wave."""
+  """A strategy's decoding state for one wave; it stays on the device between steps."""
 
-  def step(self, wave: Wave) -> np.ndarray:
-    """One decode step for every request not done: int32 [B, n] emitted tokens on the host,
-    -1 after each request's last (n = 1 for plain decoding, k + 1 with k drafts)."""
+  def launch(self, wave: Wave) -> jax.Array:
+    """Dispatches one decode step for every request not done and returns its emitted tokens
+    without waiting for them: int32 [B] (plain decoding) or [B, n] (k + 1 with k drafts), -1
+    after each request's last. The step must not depend on the tokens of the step before it
+    reaching the host: the engine reads those only after this call."""
     ...
 
 
@@ -241,31 +247,35 @@ class PlainDecoding:
     del model  # every model decodes plainly
 
   def begin(self, engine: "Generator", wave: Wave, prefill: Prefill) -> WaveDecoder:
-    return _PlainWave(engine, prefill.first_tokens)
+    return _PlainWave(engine, wave, prefill.first_tokens)
 
 
 class _PlainWave:
-  def __init__(self, engine: "Generator", first_tokens: np.ndarray):
-    self.engine = engine
-    self.tokens = first_tokens
+  """Each step writes one token per request, so the host knows every length in advance; the
+  tokens go from one step to the next on the device."""
 
-  def step(self, wave: Wave) -> np.ndarray:
+  def __init__(self, engine: "Generator", wave: Wave, first_tokens: np.ndarray):
+    self.engine = engine
+    self.tokens = first_tokens  # int32 [B]: the host's array at first, then the device's
+    self.lens = wave.prompt_lens.copy()  # int32 [B]: cached tokens before the next step
+
+  def launch(self, wave: Wave) -> jax.Array:
     engine = self.engine
-    seq_lens = np.where(wave.done, 0, wave.committed + 1).astype(np.int32)
-    next_tokens, engine.cache = decode_step(
+    self.lens += 1
+    # Host arrays go in with the call: no eager device op per step.
+    seq_lens = np.where(wave.done, 0, self.lens).astype(np.int32)
+    self.tokens, engine.cache = decode_step(
       engine.graph,
       engine.params,
       engine.cache,
-      self.tokens[:, None],  # host arrays go in with the call: no eager device op per step
+      self.tokens,
       seq_lens,
       wave.block_tables,
       wave.next_key(),
       sampling=wave.sampling,
       kernels=engine.config.kernels,
     )
-    new_tokens = np.asarray(next_tokens)
-    self.tokens = np.where(wave.done, self.tokens, new_tokens)
-    return np.where(wave.done, -1, new_tokens)[:, None]
+    return self.tokens
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -489,7 +499,6 @@ class Generator:
         input_ids=input_ids,
         prompt_lens=prompt_lens,
         block_tables=jnp.asarray(block_tables),
-        committed=prompt_lens.copy(),
         done=np.arange(batch) >= len(prompts),
         sampling=sampling,
         key=key,
@@ -526,20 +535,26 @@ class Generator:
       wave.done[b] = append_tokens(
         generated[b], prefill.first_tokens[b : b + 1], max_new_tokens, stop, bar
       )
-    while not wave.done.all():
+    pending = None if wave.done.all() else decoder.launch(wave)
+    while pending is not None:
       t_step = time.perf_counter()
       active = np.flatnonzero(~wave.done)
-      emitted = decoder.step(wave)  # [B, n], -1 padded
-      stats.step_times.append(time.perf_counter() - t_step)
+      # Every step emits at least one token per request: when the pending step brings each
+      # request to max_new_tokens, no step follows it.
+      last = all(len(generated[b]) + 1 >= max_new_tokens for b in active)
+      following = None if last else decoder.launch(wave)
+      emitted = np.asarray(pending).reshape(len(wave.done), -1)  # [B, n], -1 padded
       emitted_now = 0
       for b in active:
         row = emitted[b][emitted[b] >= 0]
         stats.produced.append(len(row))
-        wave.committed[b] += len(row)
         before = len(generated[b])
         wave.done[b] = append_tokens(generated[b], row, max_new_tokens, stop, bar)
         emitted_now += len(generated[b]) - before
       stats.tokens_per_step.append(emitted_now)
+      stats.step_times.append(time.perf_counter() - t_step)
+      # A step launched for requests that have all finished since is dropped unread.
+      pending = None if wave.done.all() else following
     return generated, stats
 
   def _metrics(self, waves: list[WaveStats], outputs, elapsed: float) -> GenerationMetrics:

@@ -212,15 +212,29 @@ def draft_prefill_step(
   )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CycleState:
+  """What a speculative cycle hands to the next one, kept on the device."""
+
+  last_tokens: jax.Array  # int32 [B]: each request's last committed token (not yet cached)
+  drafts: jax.Array  # int32 [B, k]
+  draft_probs: jax.Array | None  # float32 [B, k, V]; None when greedy
+  seq_lens: jax.Array  # int32 [B]: committed length + k + 1 of the next verify; 0 = inactive
+
+
+@jax.jit
+def retire(state: CycleState, done: jax.Array) -> CycleState:
+  """Marks the `done` (bool [B]) requests inactive: their next cycles neither read nor write."""
+  return dataclasses.replace(state, seq_lens=jnp.where(done, 0, state.seq_lens))
+
+
 @functools.partial(jax.jit, static_argnames=DRAFT_STATIC, donate_argnames=("cache",))
 def cycle_step(
   graph: ModelGraph,
   params: list[jax.Array],
   cache: ModelCache,
-  last_tokens: jax.Array,  # int32 [B]: each request's last committed token
-  drafts: jax.Array,  # int32 [B, k] from the previous draft step
-  draft_probs: jax.Array | None,  # float32 [B, k, V]; None when greedy
-  seq_lens: jax.Array,  # int32 [B]: committed length + k + 1; 0 = inactive slot
+  state: CycleState,
   block_tables: jax.Array,  # int32 [B, max_pages]
   key: jax.Array,  # typed PRNG key, or its uint32 key data
   *,
@@ -233,16 +247,18 @@ def cycle_step(
   `draft_step` from what it accepted, with the hand-over between them (`DraftInputs`) on the
   device.
 
-  The engine's loop then makes one dispatch and one copy back per cycle, the emitted tokens.
-  Returns (emitted int32 [B, k + 1] (accepted drafts, bonus, then -1), last_tokens int32 [B],
-  drafts int32 [B, k], draft_probs or None, cache).
+  The next cycle's state, its `seq_lens` included, comes out on the device, so the engine can
+  dispatch the next cycle before it reads this one's tokens: one dispatch and one copy back per
+  cycle, and no wait between them. Returns (emitted int32 [B, k + 1] (accepted drafts, bonus,
+  then -1), the next `CycleState`, cache).
   """
   verify_key, draft_key = jax.random.split(step_key(key))
-  q_len = drafts.shape[1] + 1
-  tokens = jnp.concatenate([last_tokens[:, None], drafts], axis=1)
+  seq_lens = state.seq_lens
+  tokens = jnp.concatenate([state.last_tokens[:, None], state.drafts], axis=1)  # [B, q_len]
+  q_len = tokens.shape[1]
   statics = dict(sampling=sampling, kernels=kernels)
   num_accepted, emitted, hidden, cache = verify_step(
-    graph, params, cache, tokens, seq_lens, block_tables, draft_probs, verify_key, **statics
+    graph, params, cache, tokens, seq_lens, block_tables, state.draft_probs, verify_key, **statics
   )
   # An active request had committed = seq_lens - q_len tokens; it now has 1 + num_accepted more.
   committed_lens = jnp.where(seq_lens > 0, seq_lens - q_len + 1 + num_accepted, 0)
@@ -250,5 +266,10 @@ def cycle_step(
   drafts, draft_probs, cache = draft_step(
     graph, params, cache, inputs, draft_key, num_draft=num_draft, prune=prune, **statics
   )
-  last_tokens = jnp.take_along_axis(emitted, num_accepted[:, None], axis=1)[:, 0]
-  return emitted, last_tokens, drafts, draft_probs, cache
+  next_state = CycleState(
+    last_tokens=jnp.take_along_axis(emitted, num_accepted[:, None], axis=1)[:, 0],
+    drafts=drafts,
+    draft_probs=draft_probs,
+    seq_lens=jnp.where(seq_lens > 0, committed_lens + q_len, 0),
+  )
+  return emitted, next_state, cache

@@ -9,8 +9,9 @@ run as one program (`cycle_step`: one dispatch per cycle):
 2. `draft_step`: the MTP layer runs the same q_len rows (tokens shifted by one, the bonus written
    at the last accepted row), then k - 1 single-row steps, and proposes the next k drafts.
 3. The host reads the emitted tokens (the only device-to-host copy of the cycle) to apply stop
-   tokens and lengths. Rejected rows are rolled back by length: their cache slots are simply
-   overwritten by the next cycle.
+   tokens and lengths, after it has dispatched the next cycle: what a cycle hands to the next
+   (`CycleState`: last token, drafts, lengths) never leaves the device. Rejected rows are rolled
+   back by length: their cache slots are simply overwritten by the next cycle.
 
 Greedy speculative decoding emits exactly the tokens of greedy plain decoding; with temperature it
 samples exactly the target distribution (speculative sampling).
@@ -18,12 +19,13 @@ samples exactly the target distribution (speculative sampling).
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator, Prefill, Wave
-from jaxspec.serving.spec_steps import cycle_step, draft_prefill_step
+from jaxspec.serving.spec_steps import CycleState, cycle_step, draft_prefill_step, retire
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +81,13 @@ class MtpDecoding:
 
 
 class _MtpWave:
-  """The draft/verify cycle of one wave; drafts stay on the device between cycles."""
+  """The draft/verify cycle of one wave; its `CycleState` stays on the device between cycles."""
 
   def __init__(self, spec: SpeculativeConfig, engine: Generator, wave: Wave, prefill: Prefill):
     self.spec, self.engine = spec, engine
     self.statics = dict(sampling=wave.sampling, kernels=engine.config.kernels)
     self.drafting = dict(num_draft=spec.num_speculative_tokens, prune=spec.prune_draft_rows)
-    self.drafts, self.draft_probs, engine.cache = draft_prefill_step(
+    drafts, draft_probs, engine.cache = draft_prefill_step(
       engine.graph,
       engine.params,
       engine.cache,
@@ -98,25 +100,29 @@ class _MtpWave:
       **self.statics,
       **self.drafting,
     )
-    self.last_tokens = jnp.asarray(prefill.first_tokens)
+    self.state = CycleState(
+      last_tokens=prefill.first_tokens,
+      drafts=drafts,
+      draft_probs=draft_probs,
+      seq_lens=np.where(wave.done, 0, wave.prompt_lens + spec.q_len).astype(np.int32),
+    )
+    self.retired = wave.done.copy()
 
-  def step(self, wave: Wave) -> np.ndarray:
+  def launch(self, wave: Wave) -> jax.Array:
     engine = self.engine
-    seq_lens = np.where(wave.done, 0, wave.committed + self.spec.q_len).astype(np.int32)
-    emitted, self.last_tokens, self.drafts, self.draft_probs, engine.cache = cycle_step(
+    if (wave.done & ~self.retired).any():  # only when a request has finished
+      self.state, self.retired = retire(self.state, wave.done), wave.done.copy()
+    emitted, self.state, engine.cache = cycle_step(
       engine.graph,
       engine.params,
       engine.cache,
-      self.last_tokens,
-      self.drafts,
-      self.draft_probs,
-      seq_lens,
+      self.state,
       wave.block_tables,
       wave.next_key(),
       **self.statics,
       **self.drafting,
     )
-    return np.where(wave.done[:, None], -1, np.asarray(emitted))
+    return emitted
 
 
 class SpeculativeGenerator(Generator):

@@ -113,7 +113,7 @@ def decode_step(
   graph: ModelGraph,
   params: list[jax.Array],  # graph.num_params arrays (split_model)
   cache: ModelCache,
-  tokens: jax.Array,  # int32 [B, 1]
+  tokens: jax.Array,  # int32 [B], each request's newest token (not yet in the cache)
   seq_lens: jax.Array,  # int32 [B], KV length including this token; 0 = padding
   block_tables: jax.Array,  # int32 [B, max_pages]
   key: jax.Array,  # typed PRNG key, or its uint32 key data
@@ -123,10 +123,12 @@ def decode_step(
 ):
   """One plain decode step: writes each request's newest token, samples the next.
 
+  Takes and returns tokens as `[B]`, so a step's output feeds the next step as it is (the
+  engine dispatches the next step before it reads this one's tokens).
   Returns (next_tokens int32 [B], cache).
   """
   model, key = graph.merge(params), step_key(key)
-  step = decode_metadata(seq_lens, block_tables, tokens.shape[1], cache.page_size, kernels)
-  hidden, cache = model.forward(tokens, step, cache)
+  step = decode_metadata(seq_lens, block_tables, 1, cache.page_size, kernels)
+  hidden, cache = model.forward(tokens[:, None], step, cache)
   next_tokens = sample(model.logits(hidden[:, -1]), key, sampling)
   return next_tokens, cache

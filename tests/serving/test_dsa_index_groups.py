@@ -46,7 +46,7 @@ def _decode_step_jaxpr(config, index_sharing, batch_size=2, page_size=64, max_pa
     graph,
     params,
     cache,
-    _int_arg(batch_size, 1),
+    _int_arg(batch_size),
     _int_arg(batch_size),
     _int_arg(batch_size, max_pages),
     jax.random.key(0),

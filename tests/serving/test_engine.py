@@ -217,3 +217,61 @@ def test_decoding_makes_no_eager_device_op_per_step(model, monkeypatch, speculat
   # One wave: the wave key, and one split per 63 step keys; asarray only for the wave's inputs.
   assert calls["split"] <= 2 + -(-out.metrics.decode_steps // 63), calls
   assert calls["asarray"] <= 8, calls
+
+
+class _Recorded:
+  """A step's tokens that log when the engine reads them."""
+
+  def __init__(self, log, step, tokens):
+    self.log, self.step, self.tokens = log, step, tokens
+
+  def __array__(self, dtype=None, copy=None):
+    self.log.append(("read", self.step))
+    return self.tokens
+
+
+class _CountingDecoding:
+  """A strategy whose step i emits token i for every request, logging launches and reads."""
+
+  lookahead_tokens = 0
+  num_speculative_tokens = 0
+  needs_draft_cache = False
+
+  def __init__(self):
+    self.log = []
+
+  def check_model(self, model):
+    del model
+
+  def begin(self, engine, wave, prefill):
+    del engine, prefill
+    log, steps = self.log, iter(range(1, 1000))
+
+    class Decoder:
+      def launch(self, wave):
+        step = next(steps)
+        log.append(("launch", step))
+        return _Recorded(log, step, np.full(len(wave.done), step, np.int32))
+
+    return Decoder()
+
+
+@pytest.mark.parametrize("stop_at", [None, 3])
+def test_the_loop_dispatches_each_step_before_reading_the_one_before(model, stop_at):
+  """Step i + 1 is launched before step i's tokens are read. After the step that brings every
+  request to max_new_tokens nothing is launched; after a stop token, the one step already
+  launched is dropped unread."""
+  strategy = _CountingDecoding()
+  engine = Generator(model, EngineConfig(max_batch_size=2, max_seq_len=32), strategy)
+  out = engine.generate(
+    [[1, 2], [3]], max_new_tokens=6, stop_token_ids=() if stop_at is None else (stop_at,)
+  )
+  last = 5 if stop_at is None else stop_at  # the prefill's token, then steps 1..last
+  expected = [("launch", 1)]
+  for step in range(1, last + 1):
+    if step < 5:  # after step 5 every request has its 6 tokens
+      expected.append(("launch", step + 1))
+    expected.append(("read", step))
+  assert strategy.log == expected
+  assert [tokens[1:] for tokens in out.tokens] == [list(range(1, last + 1))] * 2
+  assert out.metrics.decode_steps == last

@@ -5,6 +5,8 @@ is smaller than the sequences, so the indexer prunes in the target's verify rows
 layer's draft rows, both reading the paged latent cache).
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -96,17 +98,20 @@ def test_oracle_drafts_with_planted_errors_are_accepted_up_to_the_error(random_m
   rng = np.random.default_rng(0)
   planted = []
 
-  def oracle_cycle_step(graph, params, cache, last, drafts, probs, seq_lens, tables, key, **kw):
-    emitted, last, _, probs, cache = spec_steps.cycle_step(
-      graph, params, cache, last, drafts, probs, seq_lens, tables, key, **kw
+  def oracle_cycle_step(graph, params, cache, state, tables, key, **kw):
+    emitted, next_state, cache = spec_steps.cycle_step(
+      graph, params, cache, state, tables, key, **kw
     )
     # The cycle's committed lengths: seq_lens - (k + 1) + the tokens it emitted.
-    seq_lens, emitted_now = np.asarray(seq_lens), np.asarray(emitted)
+    seq_lens, emitted_now = np.asarray(state.seq_lens), np.asarray(emitted)
     committed = np.where(seq_lens > 0, seq_lens - (k + 1) + (emitted_now >= 0).sum(axis=1), 0)
     drafts = np.zeros((len(committed), k), np.int32)
     errors = rng.integers(0, k + 1, len(committed))
     for b, n in enumerate(committed):
-      if n > 0 and b < len(full):
+      # A cycle the engine dispatched after the request's last one (its rows are dropped) starts
+      # with max_new tokens generated: nothing of it is counted.
+      generated_before = seq_lens[b] - (k + 1) - len(PROMPTS[b]) + 1 if b < len(full) else 0
+      if n > 0 and b < len(full) and generated_before < max_new:
         # The bonus token sits at position `committed`; draft i belongs at committed + i.
         drafts[b] = full[b][n + 1 : n + 1 + k]
         if errors[b] < k:
@@ -114,7 +119,7 @@ def test_oracle_drafts_with_planted_errors_are_accepted_up_to_the_error(random_m
           planted.append(errors[b])
         else:
           planted.append(k)
-    return emitted, last, jnp.asarray(drafts), probs, cache
+    return emitted, dataclasses.replace(next_state, drafts=jnp.asarray(drafts)), cache
 
   monkeypatch.setattr(speculative, "cycle_step", oracle_cycle_step)
   spec = SpeculativeGenerator(random_model, ENGINE, SpeculativeConfig(k)).generate(
