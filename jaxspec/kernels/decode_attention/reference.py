@@ -83,7 +83,13 @@ def paged_decode_attention_reference(
   visible = (positions[None, None, :] < row_limits[:, :, None]) & attendable[:, None, :]
 
   queries = q.astype(jnp.float32).reshape(batch, q_len, num_kv_heads, group, head_dim)
-  scores = jnp.einsum("bjhgd,bhld->bhgjl", queries, keys) * sm_scale  # [B, Hkv, G, q_len, L]
+  # On a GPU XLA's default float32 matmul rounds its inputs to TF32 (10-bit mantissa). bf16 and
+  # fp16 values are exact in it, and with 16-bit queries the rounding of dequantised fp8 keys and
+  # of the probabilities (2^-11) stays below the 16-bit output's own; float32 queries ask for
+  # float32 results, so their products are computed in full float32.
+  precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  scores = jnp.einsum("bjhgd,bhld->bhgjl", queries, keys, precision=precision) * sm_scale
+  # scores: [B, Hkv, G, q_len, L]
   mask = visible[:, None, None, :, :]
   scores = jnp.where(mask, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -91,7 +97,7 @@ def paged_decode_attention_reference(
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
   denom = jnp.sum(probs, axis=-1, keepdims=True)
-  out = jnp.einsum("bhgjl,bhld->bjhgd", probs, values)  # [B, q_len, Hkv, G, D]
+  out = jnp.einsum("bhgjl,bhld->bjhgd", probs, values, precision=precision)  # [B, q_len, Hkv, G, D]
   denom = jnp.moveaxis(denom, 3, 1)  # [B, q_len, Hkv, G, 1]
   out = out / jnp.where(denom > 0.0, denom, 1.0)
   return out.reshape(batch, q_len, num_q_heads, head_dim).astype(q.dtype)
