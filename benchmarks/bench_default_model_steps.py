@@ -19,15 +19,18 @@ Results: `--out`.json / .md. `--smoke` runs a few repeats on the CPU (no kernel 
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks._timing import ProfileFailed, dispatch_seconds, profile_stateful, time_stateful
 from jaxspec.__main__ import DEFAULT_MODEL
@@ -99,6 +102,89 @@ def measure_steps(model, kernels, args) -> dict:
   return row
 
 
+def measure_loops(model, kernels, args) -> dict:
+  """Seconds per step of `--loop-steps` plain steps and k-draft cycles, driven two ways in
+  alternating rounds: `read_first` copies each step's tokens to the host before it dispatches the
+  next (the engine's loop before it ran one step ahead: the plain step's next input, the cycle's
+  lengths, come from the host), `ahead` dispatches step i + 1 before it reads step i's tokens (the
+  engine's loop now). Returns {"B{batch} {plain|cycle}": {"read_first"|"ahead": [s per round]}}."""
+  results = {}
+  for batch in args.loop_batches:
+    for kind, loop in _step_loops(model, kernels, batch, args).items():
+      times = {"read_first": [], "ahead": []}
+      for round_ in range(args.reps + 1):  # round 0 compiles
+        for name in times:
+          seconds = loop(ahead=name == "ahead")
+          if round_:
+            times[name].append(seconds)
+      results[f"B{batch} {kind}"] = times
+      print(kind, batch, json.dumps(times), flush=True)
+  return results
+
+
+def _step_loops(model, kernels, batch: int, args) -> dict:
+  """{"plain" | "cycle": loop(ahead) -> seconds per step} over one cache for `batch` requests."""
+  graph, params = split_model(model)
+  k, steps = args.spec_tokens, args.loop_steps
+  statics = dict(sampling=GREEDY, kernels=kernels)
+  pages = -(-(args.context + (steps + 1) * (k + 1)) // args.page_size)
+  allocator = BlockAllocator(batch * pages, args.page_size, shuffle_seed=0)
+  tables = jnp.asarray([allocator.allocate(pages) for _ in range(batch)], jnp.int32)
+  held = {"cache": model.init_cache(allocator.num_pages, args.page_size, draft=True)}
+  keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), steps)))
+  context = np.full((batch,), args.context, np.int32)
+
+  def plain(cache, tokens, i):  # -> (tokens read back, next input, cache)
+    tokens, cache = decode_step(
+      graph, params, cache, tokens, context + i + 1, tables, keys[i], **statics
+    )
+    return tokens, tokens, cache
+
+  def cycle(cache, state, i):
+    emitted, state, cache = cycle_step(
+      graph, params, cache, state, tables, keys[i], num_draft=k, prune=True, **statics
+    )
+    return emitted, state, cache
+
+  def cycle_from_host(state, emitted):  # the lengths computed on the host, from the tokens
+    lengths = np.asarray(state.seq_lens) + (emitted >= 0).sum(axis=1).astype(np.int32)
+    return dataclasses.replace(state, seq_lens=lengths)
+
+  def loop(launch, from_host, first):
+    def run(ahead: bool) -> float:
+      seconds, held["cache"] = _drive(launch, from_host, first(), held["cache"], steps, ahead)
+      return seconds
+
+    return run
+
+  tokens = np.ones((batch,), np.int32)
+  drafts = np.ones((batch, k), np.int32)
+  return {
+    "plain": loop(plain, lambda state, tokens: tokens, lambda: tokens),
+    "cycle": loop(
+      cycle, cycle_from_host, lambda: CycleState(tokens, drafts, None, context + k + 1)
+    ),
+  }
+
+
+def _drive(launch, from_host, state, cache, steps: int, ahead: bool):
+  """(seconds per step, cache) of `steps` launches; every step's tokens are read to the host."""
+  start = time.perf_counter()
+  if ahead:
+    pending, state, cache = launch(cache, state, 0)
+    for i in range(1, steps + 1):
+      following = None
+      if i < steps:
+        following, state, cache = launch(cache, state, i)
+      np.asarray(pending)
+      pending = following
+  else:
+    for i in range(steps):
+      out, state, cache = launch(cache, state, i)
+      state = from_host(state, np.asarray(out))
+  return (time.perf_counter() - start) / steps, cache
+
+
 def measure_generation(model, args) -> dict:
   """Median tokens/s of plain and speculative generation (alternating runs), as `generate
   --compare` measures them (the engine's own kernel choices)."""
@@ -157,6 +243,18 @@ def render(results) -> str:
       ratios.append(f"kernels {cycle['kernels'] / plain['kernels']:.2f}x")
       ratios.append(f"GPU time {cycle['gpu_s'] / plain['gpu_s']:.2f}x")
     lines.append(f"| {moe} | cycle / plain | {' / '.join(ratios)} | | | |")
+  if "loops" in results:
+    lines += [
+      "",
+      f"Step loops ({meta.get('loop_steps', 64)} steps, the median of alternating rounds), "
+      "reading each step's tokens before the next dispatch against dispatching one step ahead:",
+      "",
+      "| steps | read first | one step ahead | gain |",
+      "| --- | --- | --- | --- |",
+    ]
+    for name, times in results["loops"].items():
+      first, ahead = (statistics.median(times[loop]) for loop in ("read_first", "ahead"))
+      lines.append(f"| {name} | {ms(first)} | {ms(ahead)} | {first / ahead:.2f}x |")
   generation = results["generation"]
   lines += [
     "",
@@ -170,6 +268,12 @@ def render(results) -> str:
   return "\n".join(lines) + "\n"
 
 
+def command_line(args) -> str:
+  """The command as run, `--out` shortened to its file name (no machine's paths in results)."""
+  argv = [Path(a).name if i and sys.argv[i - 1] == "--out" else a for i, a in enumerate(sys.argv)]
+  return " ".join(["python benchmarks/bench_default_model_steps.py", *argv[1:]])
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--moe", nargs="+", default=["auto"], help="KernelChoices.moe values")
@@ -180,11 +284,13 @@ def main():
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--reps", type=int, default=7)
   parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--loop-batches", type=int, nargs="+", default=[1, 8])
+  parser.add_argument("--loop-steps", type=int, default=64)
   parser.add_argument("--smoke", action="store_true", help="few repeats, for a CPU check")
   parser.add_argument("--out", type=Path, default=RESULTS / "default_model_steps")
   args = parser.parse_args()
   if args.smoke:
-    args.iters, args.reps, args.repeats, args.max_new_tokens = 2, 1, 1, 8
+    args.iters, args.reps, args.repeats, args.max_new_tokens, args.loop_steps = 2, 1, 1, 8, 8
   model = load_pretrained(DEFAULT_MODEL, jnp.bfloat16)
   results = {
     "meta": {
@@ -192,14 +298,18 @@ def main():
       "jax": jax.__version__,
       "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "command": " ".join(["python benchmarks/bench_default_model_steps.py", *sys.argv[1:]]),
-      **{k: getattr(args, k) for k in ("context", "spec_tokens", "max_new_tokens", "repeats")},
+      "command": command_line(args),
+      **{
+        k: getattr(args, k)
+        for k in ("context", "spec_tokens", "max_new_tokens", "repeats", "loop_steps")
+      },
     },
     "steps": {},
   }
   for moe in args.moe:
     results["steps"][moe] = measure_steps(model, KernelChoices(moe=moe), args)
     print(moe, json.dumps(results["steps"][moe]), flush=True)
+  results["loops"] = measure_loops(model, KernelChoices(), args)
   results["generation"] = measure_generation(model, args)
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
