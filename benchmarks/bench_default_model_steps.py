@@ -194,22 +194,49 @@ def measure_generation(model, args) -> dict:
     "speculative": SpeculativeGenerator(model, config, SpeculativeConfig(args.spec_tokens)),
     "plain": Generator(model, config),
   }
+  launches = {name: _time_launches(engine) for name, engine in engines.items()}
   runs = {name: [] for name in engines}
   for repeat in range(args.repeats + 1):  # the first round compiles
     for name, engine in engines.items():
+      launches[name].clear()
       out = engine.generate([prompt], max_new_tokens=args.max_new_tokens, sampling=GREEDY)
       if repeat:
-        runs[name].append(out.metrics)
+        runs[name].append((out.metrics, statistics.mean(launches[name])))
   result = {}
-  for name, metrics in runs.items():
-    median = sorted(metrics, key=lambda m: m.tokens_per_s)[len(metrics) // 2]
+  for name, measured in runs.items():
+    median, launch_s = sorted(measured, key=lambda run: run[0].tokens_per_s)[len(measured) // 2]
     result[name] = {
       "tokens_per_s": median.tokens_per_s,
       "tokens": median.generated_tokens,
       "tokens_per_step": median.mean_accepted_length if name == "speculative" else 1.0,
+      # Host seconds per step: the whole loop iteration, and its dispatch of the next step.
+      "step_s": median.itl_s * median.mean_accepted_length,
+      "launch_s": launch_s,
     }
   result["speed_up"] = result["speculative"]["tokens_per_s"] / result["plain"]["tokens_per_s"]
   return result
+
+
+def _time_launches(engine) -> list[float]:
+  """The host seconds of each step the engine dispatches (its strategy's `launch`), appended to
+  the returned list: where the engine's loop spends its time besides waiting for tokens."""
+  seconds, begin = [], engine.strategy.begin
+
+  def timed_begin(*args, **kwargs):
+    decoder = begin(*args, **kwargs)
+    launch = decoder.launch
+
+    def timed_launch(wave):
+      start = time.perf_counter()
+      emitted = launch(wave)
+      seconds.append(time.perf_counter() - start)
+      return emitted
+
+    decoder.launch = timed_launch
+    return decoder
+
+  engine.strategy.begin = timed_begin
+  return seconds
 
 
 def render(results) -> str:
@@ -265,6 +292,13 @@ def render(results) -> str:
     f"({generation['speculative']['tokens_per_step']:.2f} tokens per cycle, "
     f"{generation['speculative']['tokens']} tokens): {generation['speed_up']:.2f}x.",
   ]
+  if "step_s" in generation["plain"]:
+    plain, speculative = generation["plain"], generation["speculative"]
+    lines.append(
+      f"In the engine's loop a plain step took {ms(plain['step_s'])} ({ms(plain['launch_s'])} "
+      f"of it dispatching), a cycle {ms(speculative['step_s'])} "
+      f"({ms(speculative['launch_s'])} dispatching)."
+    )
   return "\n".join(lines) + "\n"
 
 
