@@ -49,14 +49,20 @@ RESULTS = Path(__file__).parent / "results"
 PROMPT = "def fibonacci(n):"
 
 
+def paged_cache(model, batch: int, num_tokens: int, page_size: int):
+  """(block_tables int32 [batch, pages], zeroed cache with the MTP layer's pages) for `batch`
+  requests of up to `num_tokens` tokens each, on shuffled pages."""
+  pages = -(-num_tokens // page_size)
+  allocator = BlockAllocator(batch * pages, page_size, shuffle_seed=0)
+  block_tables = jnp.asarray([allocator.allocate(pages) for _ in range(batch)], jnp.int32)
+  return block_tables, model.init_cache(allocator.num_pages, page_size, draft=True)
+
+
 def step_programs(model, kernels: KernelChoices, context: int, num_draft: int, page_size: int):
   """(cache, {name: step}) for one request of `context` cached tokens: `plain` is a decode
   step, `cycle` a verify + draft cycle; each step maps the cache to (outputs, cache)."""
   graph, params = split_model(model)
-  pages = -(-(context + 2 * (num_draft + 1)) // page_size)
-  allocator = BlockAllocator(pages, page_size, shuffle_seed=0)
-  block_tables = jnp.asarray([allocator.allocate(pages)], jnp.int32)
-  cache = model.init_cache(allocator.num_pages, page_size, draft=True)
+  block_tables, cache = paged_cache(model, 1, context + 2 * (num_draft + 1), page_size)
   key = jax.random.key_data(jax.random.key(0))
   seq_lens = jnp.asarray([context], jnp.int32)
   statics = dict(sampling=GREEDY, kernels=kernels)
@@ -110,11 +116,12 @@ def measure_loops(model, kernels, args) -> dict:
   engine's loop now). Returns {"B{batch} {plain|cycle}": {"read_first"|"ahead": [s per round]}}."""
   results = {}
   for batch in args.loop_batches:
-    for kind, loop in _step_loops(model, kernels, batch, args).items():
+    cache, loops = step_loops(model, kernels, batch, args)
+    for kind, (launch, from_host, first) in loops.items():
       times = {"read_first": [], "ahead": []}
       for round_ in range(args.reps + 1):  # round 0 compiles
         for name in times:
-          seconds = loop(ahead=name == "ahead")
+          seconds, cache = _drive(launch, from_host, first, cache, args.loop_steps, name == "ahead")
           if round_:
             times[name].append(seconds)
       results[f"B{batch} {kind}"] = times
@@ -122,19 +129,18 @@ def measure_loops(model, kernels, args) -> dict:
   return results
 
 
-def _step_loops(model, kernels, batch: int, args) -> dict:
-  """{"plain" | "cycle": loop(ahead) -> seconds per step} over one cache for `batch` requests."""
+def step_loops(model, kernels, batch: int, args):
+  """(cache, {"plain" | "cycle": (launch, from_host, first input)}) for `batch` requests:
+  `launch(cache, state, i)` dispatches step i and returns (its tokens, the next state, cache);
+  `from_host(state, tokens)` is the next state made from the tokens read to the host."""
   graph, params = split_model(model)
   k, steps = args.spec_tokens, args.loop_steps
   statics = dict(sampling=GREEDY, kernels=kernels)
-  pages = -(-(args.context + (steps + 1) * (k + 1)) // args.page_size)
-  allocator = BlockAllocator(batch * pages, args.page_size, shuffle_seed=0)
-  tables = jnp.asarray([allocator.allocate(pages) for _ in range(batch)], jnp.int32)
-  held = {"cache": model.init_cache(allocator.num_pages, args.page_size, draft=True)}
+  tables, cache = paged_cache(model, batch, args.context + (steps + 1) * (k + 1), args.page_size)
   keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), steps)))
   context = np.full((batch,), args.context, np.int32)
 
-  def plain(cache, tokens, i):  # -> (tokens read back, next input, cache)
+  def plain(cache, tokens, i):
     tokens, cache = decode_step(
       graph, params, cache, tokens, context + i + 1, tables, keys[i], **statics
     )
@@ -150,20 +156,11 @@ def _step_loops(model, kernels, batch: int, args) -> dict:
     lengths = np.asarray(state.seq_lens) + (emitted >= 0).sum(axis=1).astype(np.int32)
     return dataclasses.replace(state, seq_lens=lengths)
 
-  def loop(launch, from_host, first):
-    def run(ahead: bool) -> float:
-      seconds, held["cache"] = _drive(launch, from_host, first(), held["cache"], steps, ahead)
-      return seconds
-
-    return run
-
   tokens = np.ones((batch,), np.int32)
-  drafts = np.ones((batch, k), np.int32)
-  return {
-    "plain": loop(plain, lambda state, tokens: tokens, lambda: tokens),
-    "cycle": loop(
-      cycle, cycle_from_host, lambda: CycleState(tokens, drafts, None, context + k + 1)
-    ),
+  first_state = CycleState(tokens, np.ones((batch, k), np.int32), None, context + k + 1)
+  return cache, {
+    "plain": (plain, lambda state, tokens: tokens, tokens),
+    "cycle": (cycle, cycle_from_host, first_state),
   }
 
 
@@ -302,7 +299,7 @@ def render(results) -> str:
   return "\n".join(lines) + "\n"
 
 
-def command_line(args) -> str:
+def command_line() -> str:
   """The command as run, `--out` shortened to its file name (no machine's paths in results)."""
   argv = [Path(a).name if i and sys.argv[i - 1] == "--out" else a for i, a in enumerate(sys.argv)]
   return " ".join(["python benchmarks/bench_default_model_steps.py", *argv[1:]])
@@ -332,7 +329,7 @@ def main():
       "jax": jax.__version__,
       "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "command": command_line(args),
+      "command": command_line(),
       **{
         k: getattr(args, k)
         for k in ("context", "spec_tokens", "max_new_tokens", "repeats", "loop_steps")
