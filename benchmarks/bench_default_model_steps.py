@@ -1,6 +1,6 @@
 """Where the embedded default model's decode time goes: the plain step against the MTP cycle.
 
-The default model (4 target layers + 1 MTP layer, hidden 320) is far too small to be bound by
+The default model (8 target layers + 1 MTP layer, hidden 256) is far too small to be bound by
 its weights or its KV: at batch 1 a step is a few hundred small kernels, and the speed-up of
 speculative decoding over plain decoding is set by how many of them, and how fast the host
 launches them, a k = 3 cycle (verify the last token and 3 drafts, then 3 MTP passes) costs
@@ -14,7 +14,9 @@ against one plain decode step. In one process, at batch 1 with `--context` cache
    `--max-new-tokens`, the median of `--repeats` alternating runs), as `generate --compare`.
 
 `--moe` repeats the step measurements with other routed-expert implementations
-(`KernelChoices.moe`); the end-to-end runs use the engine's own choice.
+(`KernelChoices.moe`); the end-to-end runs use the engine's own choice. `--shapes` also measures
+the two steps of other shapes of the same size (random weights: kernels and times do not depend
+on them), the sweep that chose the default model's depth (`SHAPES`).
 Results: `--out`.json / .md. `--smoke` runs a few repeats on the CPU (no kernel profile).
 """
 
@@ -31,10 +33,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from benchmarks._timing import ProfileFailed, dispatch_seconds, profile_stateful, time_stateful
 from jaxspec.__main__ import DEFAULT_MODEL
 from jaxspec.model.metadata import KernelChoices
+from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import load_pretrained
 from jaxspec.serving.engine import EngineConfig, Generator
 from jaxspec.serving.kv_cache import BlockAllocator
@@ -44,9 +48,29 @@ from jaxspec.serving.spec_steps import CycleState, cycle_step
 from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
 from jaxspec.serving.steps import decode_step
 from jaxspec.tokenizer import load_tokenizer
+from jaxspec.training.trainer import default_model_config
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = "def fibonacci(n):"
+# Shapes of about the default model's size (6.5-6.9M parameters at vocabulary 2048), from wide and
+# shallow to deep and narrow: {name: changes to default_model_config}.
+SHAPES = {
+  "4 layers, hidden 320, experts of 96": dict(
+    num_hidden_layers=4, hidden_size=320, intermediate_size=640, moe_intermediate_size=96
+  ),
+  "6 layers, hidden 320, experts of 64": dict(
+    num_hidden_layers=6, hidden_size=320, intermediate_size=640, moe_intermediate_size=64
+  ),
+  "8 layers, hidden 256, experts of 64": dict(
+    num_hidden_layers=8, hidden_size=256, intermediate_size=512, moe_intermediate_size=64
+  ),
+  "10 layers, hidden 224, experts of 64": dict(
+    num_hidden_layers=10, hidden_size=224, intermediate_size=448, moe_intermediate_size=64
+  ),
+  "12 layers, hidden 192, experts of 64": dict(
+    num_hidden_layers=12, hidden_size=192, intermediate_size=384, moe_intermediate_size=64
+  ),
+}
 
 
 def paged_cache(model, batch: int, num_tokens: int, page_size: int):
@@ -106,6 +130,19 @@ def measure_steps(model, kernels, args) -> dict:
     kernel_seconds = [sum(t for _, t in call) for call in per_call]
     row[name].update(kernels=len(per_call[0]), gpu_s=statistics.median(kernel_seconds))
   return row
+
+
+def measure_shapes(vocab_size: int, args) -> dict:
+  """`measure_steps` for each of `SHAPES`, random bf16 weights; with each its parameter count."""
+  results = {}
+  for name, changes in SHAPES.items():
+    model = GlmForCausalLM(
+      default_model_config(vocab_size).replace(**changes), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
+    params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    results[name] = {"params": params, **measure_steps(model, KernelChoices(), args)}
+    print(name, json.dumps(results[name]), flush=True)
+  return results
 
 
 def measure_loops(model, kernels, args) -> dict:
@@ -267,6 +304,27 @@ def render(results) -> str:
       ratios.append(f"kernels {cycle['kernels'] / plain['kernels']:.2f}x")
       ratios.append(f"GPU time {cycle['gpu_s'] / plain['gpu_s']:.2f}x")
     lines.append(f"| {moe} | cycle / plain | {' / '.join(ratios)} | | | |")
+  if "shapes" in results:
+    lines += [
+      "",
+      "Other shapes of the same size (random weights), plain step against k-draft cycle:",
+      "",
+      "| shape | parameters | plain: kernels / GPU time / step | cycle: kernels / GPU time / step "
+      "| cycle / plain: kernels / GPU time |",
+      "| --- | --- | --- | --- | --- |",
+    ]
+    for name, row in results["shapes"].items():
+      plain, cycle = row["plain"], row["cycle"]
+      cells = [
+        f"{entry.get('kernels', 'n/a')} / {ms(entry.get('gpu_s'))} / {ms(entry['step_s'])}"
+        for entry in (plain, cycle)
+      ]
+      ratio = "n/a"
+      if "kernels" in plain and "kernels" in cycle:
+        ratio = (
+          f"{cycle['kernels'] / plain['kernels']:.2f}x / {cycle['gpu_s'] / plain['gpu_s']:.2f}x"
+        )
+      lines.append(f"| {name} | {row['params'] / 1e6:.2f}M | {cells[0]} | {cells[1]} | {ratio} |")
   if "loops" in results:
     lines += [
       "",
@@ -317,6 +375,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--loop-batches", type=int, nargs="+", default=[1, 8])
   parser.add_argument("--loop-steps", type=int, default=64)
+  parser.add_argument("--shapes", action="store_true", help="also measure the SHAPES sweep")
   parser.add_argument("--smoke", action="store_true", help="few repeats, for a CPU check")
   parser.add_argument("--out", type=Path, default=RESULTS / "default_model_steps")
   args = parser.parse_args()
@@ -340,6 +399,8 @@ def main():
   for moe in args.moe:
     results["steps"][moe] = measure_steps(model, KernelChoices(moe=moe), args)
     print(moe, json.dumps(results["steps"][moe]), flush=True)
+  if args.shapes:
+    results["shapes"] = measure_shapes(model.config.vocab_size, args)
   results["loops"] = measure_loops(model, KernelChoices(), args)
   results["generation"] = measure_generation(model, args)
   args.out.parent.mkdir(parents=True, exist_ok=True)
