@@ -26,8 +26,10 @@
 #   stdlib only vs the archive mix:  5.03 vs 5.01 (no cost from the packages' code at equal tokens)
 #   MTP trained to depth 3 vs 2:     no difference in held-out CE or chain acceptance yet
 # The default keeps vocabulary 2048 (per-token CE comparable with the first model's; 4096 is
-# better per byte but 11% more bits per token, 1024 the reverse), widens to hidden 320 (width
-# paid more than depth) and trains on the archive.
+# better per byte but 11% more bits per token, 1024 the reverse) and trains on the archive. The
+# 4-layer model below had hidden 320 (width paid more than depth); the embedded model is now 8
+# layers of hidden 256 (experts of 64) at the same size, for speed: at batch 1 its k = 3 cycle
+# launches 1.41x a plain step's kernels against 1.85x (bench_default_model_steps.py --shapes).
 #
 # Runs on one H200 at batch 128 x 512, dense experts and cuDNN attention
 # (trainer.training_kernels), 540 s budget unless noted; held-out CE, then the demos' most
@@ -37,13 +39,16 @@
 #                                                               13 (DITTO windows without prefix)
 #   same, 223 MB archive (pinned wheels), prefixed windows:    13626 steps, 1.94M tok/s, CE 2.01, 4
 #   same with 32 DITTO rows, 400 s:                             CE 2.07, 10
-# The third is the embedded model's first phase. Second phases from it (`--init-from
+# The third was the 4-layer embedded model's first phase. Second phases from it (`--init-from
 # jaxspec/assets/default_model --learning-rate 3e-4 --warmup-steps 50`, TIME_BUDGET_S=150-175):
 # heavier DITTO or --unlikelihood-rows (benchmarks/results/default_model_second_phase.md) met no
 # more of the model's targets; --definition-documents 1 / 3 / 6 took the demos' worst line to
 # 5 / 3 / 3 and with --repetition-rows 32 to 2, every demo parsing
-# (benchmarks/results/default_model_definition_documents.md). That last one is the embedded
-# model. The step on the corpus's tokens took 82-95 ms with XLA's
+# (benchmarks/results/default_model_definition_documents.md). That last one was the 4-layer
+# embedded model. The 8-layer one: first phase with `--tokenizer
+# jaxspec/assets/default_model/tokenizer.json` (the 4-layer model's), 11855 steps at 1.69M tok/s,
+# CE 1.97, demos 4 (benchmarks/results/default_model_8_layers_first_phase_training_log.json);
+# then the same second phase, TIME_BUDGET_S=175: 2023 steps, CE 1.96, demos 2, all parse. The step on the corpus's tokens took 82-95 ms with XLA's
 # scatter-add embedding gradient (its atomics serialise on frequent tokens) against 32 ms on
 # random ids; the one-hot matmul gradient runs the corpus at the random-id speed.
 set -euo pipefail

@@ -60,20 +60,22 @@ def training_kernels(backend: str) -> KernelChoices:
 
 
 def default_model_config(vocab_size: int) -> GlmConfig:
-  """The embedded default model: 6.49M parameters (vocabulary 2048), 13.0 MB in bf16.
+  """The embedded default model: 6.61M parameters (vocabulary 2048), 13.2 MB in bf16.
 
-  4 layers (first dense, then MoE), hidden 320, GQA 8 query / 2 KV heads of 32 (attention width
-  256, as GLM-4.5's attention is narrower or wider than its hidden size), partial RoPE 0.5, q/k
-  norm and q/k/v bias as GLM-4.5, 8 routed experts of 96 (top-2) plus 1 shared, one MTP layer.
-  Hidden 320 rather than 256: at equal training tokens the wider model learns faster (the CPU
-  sweep, see benchmarks/train_default_model.sh), and it stays under the 15 MB the repository
-  allows for the embedded model.
+  8 layers (first dense, then MoE), hidden 256, GQA 8 query / 2 KV heads of 32 (attention width
+  256), partial RoPE 0.5, q/k norm and q/k/v bias as GLM-4.5, 8 routed experts of 64 (top-2) plus
+  1 shared, one MTP layer. Deep and narrow rather than wide: at batch 1 a step of a model this
+  small costs its kernel launches, and a k = 3 cycle (a verify pass through the target, then three
+  passes through the one-layer MTP head) launches 1.41x the kernels of a plain step with 8 target
+  layers against 1.85x with 4 layers of hidden 320 at the same size (GLM-4.5 has 46 or 92 layers
+  per MTP layer): benchmarks/NOTES_default_model_speed.md. It stays under the 15 MB the
+  repository allows for the embedded model.
   """
   return GlmConfig(
     vocab_size=vocab_size,
-    hidden_size=320,
-    intermediate_size=640,
-    num_hidden_layers=4,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
     num_attention_heads=8,
     num_key_value_heads=2,
     head_dim=32,
@@ -82,7 +84,7 @@ def default_model_config(vocab_size: int) -> GlmConfig:
     partial_rotary_factor=0.5,
     attention_bias=True,
     use_qk_norm=True,
-    moe_intermediate_size=96,
+    moe_intermediate_size=64,
     num_experts_per_tok=2,
     n_shared_experts=1,
     n_routed_experts=8,
