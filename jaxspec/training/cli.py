@@ -15,7 +15,13 @@ import tokenizers
 
 from jaxspec import argtypes
 from jaxspec.training import staging
-from jaxspec.training.trainer import MODEL_PRESETS, TrainConfig, check_initial_checkpoint, train
+from jaxspec.training.trainer import (
+  MODEL_PRESETS,
+  MTP_LABELS,
+  TrainConfig,
+  check_initial_checkpoint,
+  train,
+)
 
 # A few seconds on a CPU: tiny model, 40 training files, 30 steps.
 SMOKE = TrainConfig(
@@ -34,7 +40,8 @@ SMOKE = TrainConfig(
   repetition_rows=0,
 )
 
-# TrainConfig field -> (argparse type, help). Each becomes `--field-name`, default None (unset).
+# TrainConfig field -> (argparse type, help). Each becomes `--field-name`, default None (unset);
+# `_CHOICES` fields take one of their values, `_FLAGS` fields are switches.
 _CONFIG_OPTIONS = {
   "model_preset": (None, "model size"),
   "vocab_size": (argtypes.int_in(257), "byte-level BPE vocabulary (256 bytes + merges + EOS)"),
@@ -47,6 +54,16 @@ _CONFIG_OPTIONS = {
   "weight_decay": (argtypes.float_in(0.0), "AdamW weight decay on matrices"),
   "mtp_weight": (argtypes.float_in(0.0), "weight of the mean MTP loss"),
   "mtp_depth": (argtypes.int_in(1, 7), "MTP depths trained (the layer applied recurrently)"),
+  "mtp_labels": (
+    None,
+    "what the MTP loss teaches: 'data' the corpus's tokens, 'target' the target's own "
+    "next-token distribution at the drafted position (self-distillation)",
+  ),
+  "draft_head_only": (
+    None,
+    "train the MTP layer alone, the target frozen bit for bit (with --init-from; "
+    "--repetition-rows 0)",
+  ),
   "repetition_rows": (
     argtypes.int_in(0),
     "windows per batch that repeat one span, trained against self-reinforcing repetition "
@@ -82,6 +99,10 @@ _CONFIG_OPTIONS = {
 }
 
 
+_CHOICES = {"model_preset": sorted(MODEL_PRESETS), "mtp_labels": list(MTP_LABELS)}
+_FLAGS = ("draft_head_only",)
+
+
 def _option(field: str) -> str:
   return "--preset" if field == "model_preset" else "--" + field.replace("_", "-")
 
@@ -101,7 +122,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
   )
   for field, (kind, help_text) in _CONFIG_OPTIONS.items():
     default = getattr(defaults, field)
-    extra = {"choices": sorted(MODEL_PRESETS)} if field == "model_preset" else {"type": kind}
+    if field in _CHOICES:
+      extra = {"choices": _CHOICES[field]}
+    elif field in _FLAGS:
+      extra = {"action": "store_const", "const": True}
+    else:
+      extra = {"type": kind}
     parser.add_argument(
       _option(field), dest=field, default=None, help=f"{help_text} (default {default})", **extra
     )

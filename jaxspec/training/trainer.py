@@ -6,6 +6,13 @@ the true token of position t + 1, at RoPE position t + 1, and predicts the token
 (depth 1). Gradients of both terms flow into the shared trunk, embedding and lm head (DeepSeek-V3
 uses a weight of 0.3 early and 0.1 later; one constant weight is used here).
 
+`mtp_labels="target"` trains the MTP layer on the target's own next-token distribution at the
+position it drafts instead of the corpus's token (self-distillation, as Medusa-2 and EAGLE train
+their draft heads, arXiv:2401.10774, arXiv:2401.15077): what drafting needs is agreement with the
+target, not with the data. `draft_head_only` freezes everything but the MTP layer (the trunk, the
+embedding and the LM head it shares stay bit for bit), so a phase run that way changes the drafts
+and nothing the target generates.
+
 GLM ships one MTP layer and the draft loop applies it again to its own output for the later draft
 positions. DeepSeek-V3 trains D separate modules; here the one layer is trained at depths
 1..`mtp_depth` by applying it recurrently (depth d: the MTP hidden state of depth d - 1 and the
@@ -113,6 +120,7 @@ def smoke_model_config(vocab_size: int) -> GlmConfig:
 
 
 MODEL_PRESETS = {"default": default_model_config, "smoke": smoke_model_config}
+MTP_LABELS = ("data", "target")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +146,12 @@ class TrainConfig:
   grad_clip: float = 1.0
   mtp_weight: float = 0.3
   mtp_depth: int = 2
+  # What the MTP loss teaches the draft head: "data" the corpus's tokens (DeepSeek-V3), "target"
+  # the target's own next-token distribution at the drafted position (self-distillation).
+  mtp_labels: str = "data"
+  # Train the MTP layer alone: the target (trunk, embedding, LM head) is frozen and the loss is
+  # the MTP term; for a phase started from a checkpoint (`init_from`).
+  draft_head_only: bool = False
   # Windows per batch that repeat one span, trained with DITTO's loss (`repetition`); 0: off.
   # 16 of 128 took the default model's demos from a line repeated 13 times to 4 at a held-out
   # CE of 2.01; 32 in a shorter run did worse (CE 2.07, 10): benchmarks/train_default_model.sh.
@@ -201,6 +215,17 @@ class TrainConfig:
       raise ValueError(f"time_budget_s must be positive, got {self.time_budget_s}")
     if self.time_budget_s is not None and self.warmup_steps < 3:
       raise ValueError("time_budget_s times the warm-up steps: warmup_steps must be at least 3")
+    if self.mtp_labels not in MTP_LABELS:
+      raise ValueError(f"mtp_labels must be one of {MTP_LABELS}, got {self.mtp_labels!r}")
+    if self.draft_head_only:
+      if self.init_from is None:
+        raise ValueError("draft_head_only trains the MTP layer of a trained target: set init_from")
+      for name in ("repetition_rows", "unlikelihood_rows"):
+        if getattr(self, name):
+          raise ValueError(
+            f"{name} trains the target, which draft_head_only freezes: set it to 0, got "
+            f"{getattr(self, name)}"
+          )
 
 
 def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
@@ -313,9 +338,12 @@ def _joint_logits(
   depth: int,
   kernels: KernelChoices,
   mtp_rows: int | None = None,
+  frozen_target: bool = False,
 ):
   """windows: int32 [B, T + 1 + depth] -> (target logits [B, T, V], [MTP logits [M, T, V]] * depth)
   with M = `mtp_rows` (default B): the MTP layer runs on the first M windows only.
+  `frozen_target`: no gradient flows from the MTP layer into the target's hidden states (the
+  trunk's backward pass is skipped when only the MTP layer trains).
 
   Target row t predicts token t + 1. The MTP layer is applied `depth` times, as the draft loop
   applies it: at depth d, row t takes the hidden state of depth d - 1 (the target's for d = 1,
@@ -328,6 +356,8 @@ def _joint_logits(
   hidden, _ = model.forward(inputs, step)  # [B, T, H]
   mtp_logits = []
   previous = hidden[:mtp_rows]  # [M, T, H]
+  if frozen_target:
+    previous = jax.lax.stop_gradient(previous)
   mtp_step = StepMetadata.plain(inputs[:mtp_rows], kernels)
   for d in range(1, depth + 1):
     # Depth d consumes the state of position t + d - 1 (its RoPE position is t + d).
@@ -335,6 +365,27 @@ def _joint_logits(
     previous, _ = model.mtp_forward(windows[:mtp_rows, d : seq_len + d], previous, shifted)
     mtp_logits.append(model.mtp_logits(previous))
   return model.logits(hidden), mtp_logits
+
+
+def draft_teacher(target_logits: jax.Array, depth: int) -> jax.Array:
+  """The target's next-token distribution for each row of MTP depth `depth`, for self-distillation.
+
+  target_logits: [B, T, V] (row t predicts token t + 1) -> float32 [B, T - depth, V]. MTP row t at
+  depth d predicts token t + d + 1, which the target predicts at row t + d from the true prefix
+  up to t + d: the drafted position's verification. The last d rows have no such target row.
+  """
+  teacher = jax.lax.stop_gradient(target_logits[:, depth:].astype(jnp.float32))
+  return jax.nn.softmax(teacher, axis=-1)
+
+
+def _trained_labels(params, draft_head_only: bool):
+  """Each parameter's optimizer label: "train", or "frozen" outside the MTP layer with
+  `draft_head_only`."""
+
+  def label(path, _):
+    return "train" if not draft_head_only or path[0] == jax.tree_util.DictKey("mtp") else "frozen"
+
+  return jax.tree_util.tree_map_with_path(label, params)
 
 
 def _decay_mask(params):
@@ -364,10 +415,15 @@ class Trainer:
     elif model.config != model_config:
       raise ValueError("the starting model's config differs from model_config")
     self.graphdef, self.params = nnx.split(model, nnx.Param)
-    self.optimizer = optax.chain(
+    adamw = optax.chain(
       optax.clip_by_global_norm(config.grad_clip),
       optax.scale_by_adam(b1=config.adam_b1, b2=config.adam_b2),
       optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
+    )
+    # Frozen parameters get zero updates (no weight decay either), so they stay bit for bit.
+    self.optimizer = optax.multi_transform(
+      {"train": adamw, "frozen": optax.set_to_zero()},
+      _trained_labels(self.params, config.draft_head_only),
     )
     self.opt_state = self.optimizer.init(self.params)
     self._train_step = jax.jit(self._step, donate_argnums=(0, 1))
@@ -393,18 +449,30 @@ class Trainer:
     seq_len = windows.shape[1] - 1 - depth
     plain = cfg.batch_size - cfg.repetition_rows
     # The repeated windows train the target only: the MTP layer runs on the plain ones.
-    logits, mtp_logits = _joint_logits(model, windows, depth, self.kernels, mtp_rows=plain)
+    logits, mtp_logits = _joint_logits(
+      model, windows, depth, self.kernels, mtp_rows=plain, frozen_target=cfg.draft_head_only
+    )
     lm_loss = optax.softmax_cross_entropy_with_integer_labels(
       logits[:plain], windows[:plain, 1 : seq_len + 1]
     ).mean()
-    mtp_losses = jnp.stack(
-      [
+    if cfg.mtp_labels == "target":
+      mtp_losses = [
+        optax.softmax_cross_entropy(
+          mtp_logits[d - 1][:, : seq_len - d], draft_teacher(logits[:plain], d)
+        ).mean()
+        for d in range(1, depth + 1)
+      ]
+    else:
+      mtp_losses = [
         optax.softmax_cross_entropy_with_integer_labels(
           mtp_logits[d - 1], windows[:plain, d + 1 : seq_len + d + 1]
         ).mean()
         for d in range(1, depth + 1)
       ]
-    )
+    mtp_losses = jnp.stack(mtp_losses)
+    if cfg.draft_head_only:  # the frozen target's loss is logged, not trained
+      loss = jnp.mean(mtp_losses)
+      return loss, (loss, lm_loss, mtp_losses, {})
     loss = lm_loss + cfg.mtp_weight * jnp.mean(mtp_losses)
     extra = {}
     total = loss

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -174,6 +175,36 @@ def test_init_from_continues_from_the_checkpoint_with_its_tokenizer(smoke_run, t
   assert {"repetition_loss", "unlikelihood_loss", "rollout_malformed_share"} <= set(
     log["history"][0]
   )
+
+
+def test_a_draft_head_phase_changes_the_mtp_layer_and_saves_the_target_bit_for_bit(
+  smoke_run, tmp_path
+):
+  base_dir, base_log = smoke_run
+  output_dir = tmp_path / "draft_head"
+  argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]
+  phase = ["--init-from", str(base_dir), "--steps", "4", "--warmup-steps", "3"]
+  assert cli.main(argv + phase + ["--draft-head-only", "--mtp-labels", "target"]) == 0
+  base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
+  tuned = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
+  flat = {
+    name: jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+    for name, model in (("base", base), ("tuned", tuned))
+  }
+  changed = set()
+  for (path, before), (_, after) in zip(flat["base"], flat["tuned"], strict=True):
+    name = jax.tree_util.keystr(path)
+    if not np.array_equal(np.asarray(before, np.float32), np.asarray(after, np.float32)):
+      changed.add(name)
+  assert changed and all(name.startswith("['mtp']") for name in changed), changed
+  # The same target: the held-out next-token loss and the demos are the first phase's.
+  with open(output_dir / "training_log.json") as f:
+    log = json.load(f)
+  end = base_log["final"]
+  assert log["final"]["held_out_lm_loss"] == pytest.approx(end["held_out_lm_loss"], rel=1e-6)
+  assert [s["continuation"] for s in log["samples"]] == [
+    s["continuation"] for s in base_log["samples"]
+  ]
 
 
 def test_init_from_refuses_a_checkpoint_of_another_shape(smoke_run, tmp_path, capsys):
