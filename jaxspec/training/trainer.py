@@ -338,12 +338,9 @@ def _joint_logits(
   depth: int,
   kernels: KernelChoices,
   mtp_rows: int | None = None,
-  frozen_target: bool = False,
 ):
   """windows: int32 [B, T + 1 + depth] -> (target logits [B, T, V], [MTP logits [M, T, V]] * depth)
   with M = `mtp_rows` (default B): the MTP layer runs on the first M windows only.
-  `frozen_target`: no gradient flows from the MTP layer into the target's hidden states (the
-  trunk's backward pass is skipped when only the MTP layer trains).
 
   Target row t predicts token t + 1. The MTP layer is applied `depth` times, as the draft loop
   applies it: at depth d, row t takes the hidden state of depth d - 1 (the target's for d = 1,
@@ -356,8 +353,6 @@ def _joint_logits(
   hidden, _ = model.forward(inputs, step)  # [B, T, H]
   mtp_logits = []
   previous = hidden[:mtp_rows]  # [M, T, H]
-  if frozen_target:
-    previous = jax.lax.stop_gradient(previous)
   mtp_step = StepMetadata.plain(inputs[:mtp_rows], kernels)
   for d in range(1, depth + 1):
     # Depth d consumes the state of position t + d - 1 (its RoPE position is t + d).
@@ -420,10 +415,10 @@ class Trainer:
       optax.scale_by_adam(b1=config.adam_b1, b2=config.adam_b2),
       optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
     )
+    self.labels = _trained_labels(self.params, config.draft_head_only)
     # Frozen parameters get zero updates (no weight decay either), so they stay bit for bit.
     self.optimizer = optax.multi_transform(
-      {"train": adamw, "frozen": optax.set_to_zero()},
-      _trained_labels(self.params, config.draft_head_only),
+      {"train": adamw, "frozen": optax.set_to_zero()}, self.labels
     )
     self.opt_state = self.optimizer.init(self.params)
     self._train_step = jax.jit(self._step, donate_argnums=(0, 1))
@@ -444,32 +439,31 @@ class Trainer:
     `rollouts` (int32 [U, P + N], the model's greedy continuations), plus `unlikelihood_weight`
     times their unlikelihood loss."""
     cfg = self.config
+    # Frozen parameters are constants of the loss: no gradient, and no backward pass through
+    # the trunk, is computed for them.
+    params = jax.tree.map(
+      lambda value, label: value if label == "train" else jax.lax.stop_gradient(value),
+      params,
+      self.labels,
+    )
     model = nnx.merge(self.graphdef, _compute_params(params))
     depth = cfg.mtp_depth
     seq_len = windows.shape[1] - 1 - depth
     plain = cfg.batch_size - cfg.repetition_rows
     # The repeated windows train the target only: the MTP layer runs on the plain ones.
-    logits, mtp_logits = _joint_logits(
-      model, windows, depth, self.kernels, mtp_rows=plain, frozen_target=cfg.draft_head_only
-    )
+    logits, mtp_logits = _joint_logits(model, windows, depth, self.kernels, mtp_rows=plain)
     lm_loss = optax.softmax_cross_entropy_with_integer_labels(
       logits[:plain], windows[:plain, 1 : seq_len + 1]
     ).mean()
-    if cfg.mtp_labels == "target":
-      mtp_losses = [
-        optax.softmax_cross_entropy(
-          mtp_logits[d - 1][:, : seq_len - d], draft_teacher(logits[:plain], d)
-        ).mean()
-        for d in range(1, depth + 1)
-      ]
-    else:
-      mtp_losses = [
-        optax.softmax_cross_entropy_with_integer_labels(
-          mtp_logits[d - 1], windows[:plain, d + 1 : seq_len + d + 1]
-        ).mean()
-        for d in range(1, depth + 1)
-      ]
-    mtp_losses = jnp.stack(mtp_losses)
+
+    def mtp_loss(d):  # depth d's rows predict token t + d + 1
+      if cfg.mtp_labels == "target":
+        teacher = draft_teacher(logits[:plain], d)
+        return optax.softmax_cross_entropy(mtp_logits[d - 1][:, : seq_len - d], teacher).mean()
+      labels = windows[:plain, d + 1 : seq_len + d + 1]
+      return optax.softmax_cross_entropy_with_integer_labels(mtp_logits[d - 1], labels).mean()
+
+    mtp_losses = jnp.stack([mtp_loss(d) for d in range(1, depth + 1)])
     if cfg.draft_head_only:  # the frozen target's loss is logged, not trained
       loss = jnp.mean(mtp_losses)
       return loss, (loss, lm_loss, mtp_losses, {})
