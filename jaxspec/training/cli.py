@@ -16,6 +16,7 @@ import tokenizers
 from jaxspec import argtypes
 from jaxspec.training import staging
 from jaxspec.training.trainer import (
+  DRAFT_TEXTS,
   MODEL_PRESETS,
   MTP_LABELS,
   TrainConfig,
@@ -64,6 +65,15 @@ _CONFIG_OPTIONS = {
     "train the MTP layer alone, the target frozen bit for bit (with --init-from; "
     "--repetition-rows 0)",
   ),
+  "draft_text": (
+    None,
+    "with --draft-head-only, the text the MTP layer trains on: 'corpus' windows, or 'greedy' "
+    "the frozen target's own greedy continuations of corpus prefixes, decoded each step",
+  ),
+  "greedy_prefix_tokens": (
+    argtypes.positive_int,
+    "corpus tokens before each greedy continuation (--draft-text greedy)",
+  ),
   "repetition_rows": (
     argtypes.int_in(0),
     "windows per batch that repeat one span, trained against self-reinforcing repetition "
@@ -99,7 +109,11 @@ _CONFIG_OPTIONS = {
 }
 
 
-_CHOICES = {"model_preset": sorted(MODEL_PRESETS), "mtp_labels": list(MTP_LABELS)}
+_CHOICES = {
+  "model_preset": sorted(MODEL_PRESETS),
+  "mtp_labels": list(MTP_LABELS),
+  "draft_text": list(DRAFT_TEXTS),
+}
 _FLAGS = ("draft_head_only",)
 
 

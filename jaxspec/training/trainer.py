@@ -11,7 +11,10 @@ position it drafts instead of the corpus's token (self-distillation, as Medusa-2
 their draft heads, arXiv:2401.10774, arXiv:2401.15077): what drafting needs is agreement with the
 target, not with the data. `draft_head_only` freezes everything but the MTP layer (the trunk, the
 embedding and the LM head it shares stay bit for bit), so a phase run that way changes the drafts
-and nothing the target generates.
+and nothing the target generates. With `draft_text="greedy"` such a phase trains on the target's
+own greedy continuations of corpus prefixes, decoded in each step, instead of the corpus (Medusa-2's
+self-distillation on the model's own generations): greedy decoding verifies drafts against that
+text, not the corpus's.
 
 GLM ships one MTP layer and the draft loop applies it again to its own output for the later draft
 positions. DeepSeek-V3 trains D separate modules; here the one layer is trained at depths
@@ -48,7 +51,7 @@ from jaxspec.model.metadata import KernelChoices, StepMetadata
 from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import load_pretrained, save_pretrained
 from jaxspec.tokenizer import HfTokenizer
-from jaxspec.training import bpe, corpus, repetition, staging, unlikelihood
+from jaxspec.training import bpe, corpus, decoding, repetition, staging, unlikelihood
 from jaxspec.training.demos import DEMO_NEW_TOKENS, healed_demo_quality
 
 
@@ -121,6 +124,7 @@ def smoke_model_config(vocab_size: int) -> GlmConfig:
 
 MODEL_PRESETS = {"default": default_model_config, "smoke": smoke_model_config}
 MTP_LABELS = ("data", "target")
+DRAFT_TEXTS = ("corpus", "greedy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +156,12 @@ class TrainConfig:
   # Train the MTP layer alone: the target (trunk, embedding, LM head) is frozen and the loss is
   # the MTP term; for a phase started from a checkpoint (`init_from`).
   draft_head_only: bool = False
+  # The text a draft-head-only phase trains on: "corpus" windows, or "greedy": each step decodes
+  # its windows from the frozen target, the greedy continuations of `greedy_prefix_tokens`
+  # corpus tokens (the text the draft loop meets when decoding greedily), and the MTP loss
+  # covers the rows that draft the continuation.
+  draft_text: str = "corpus"
+  greedy_prefix_tokens: int = 64
   # Windows per batch that repeat one span, trained with DITTO's loss (`repetition`); 0: off.
   # 16 of 128 took the default model's demos from a line repeated 13 times to 4 at a held-out
   # CE of 2.01; 32 in a shorter run did worse (CE 2.07, 10): benchmarks/train_default_model.sh.
@@ -217,6 +227,20 @@ class TrainConfig:
       raise ValueError("time_budget_s times the warm-up steps: warmup_steps must be at least 3")
     if self.mtp_labels not in MTP_LABELS:
       raise ValueError(f"mtp_labels must be one of {MTP_LABELS}, got {self.mtp_labels!r}")
+    if self.draft_text not in DRAFT_TEXTS:
+      raise ValueError(f"draft_text must be one of {DRAFT_TEXTS}, got {self.draft_text!r}")
+    if self.draft_text == "greedy":
+      if not self.draft_head_only:
+        raise ValueError(
+          "draft_text='greedy' decodes from a frozen target: set draft_head_only (each step "
+          "would otherwise decode from the target it is training)"
+        )
+      if not 1 <= self.greedy_prefix_tokens <= self.seq_len - self.mtp_depth:
+        raise ValueError(
+          f"greedy_prefix_tokens must be in [1, seq_len - mtp_depth] = "
+          f"[1, {self.seq_len - self.mtp_depth}] (the MTP rows after it are the trained ones), "
+          f"got {self.greedy_prefix_tokens}"
+        )
     if self.draft_head_only:
       if self.init_from is None:
         raise ValueError("draft_head_only trains the MTP layer of a trained target: set init_from")
@@ -455,13 +479,18 @@ class Trainer:
     lm_loss = optax.softmax_cross_entropy_with_integer_labels(
       logits[:plain], windows[:plain, 1 : seq_len + 1]
     ).mean()
+    # On greedy windows the first draft comes from the prefix's last row (P - 1), as after a
+    # prefill; the rows before it draft corpus text, which the draft loop does not meet.
+    first = cfg.greedy_prefix_tokens - 1 if cfg.draft_text == "greedy" else 0
 
-    def mtp_loss(d):  # depth d's rows predict token t + d + 1
+    def mtp_loss(d):  # depth d's row t predicts token t + d + 1; rows from `first` on
       if cfg.mtp_labels == "target":
-        teacher = draft_teacher(logits[:plain], d)
-        return optax.softmax_cross_entropy(mtp_logits[d - 1][:, : seq_len - d], teacher).mean()
-      labels = windows[:plain, d + 1 : seq_len + d + 1]
-      return optax.softmax_cross_entropy_with_integer_labels(mtp_logits[d - 1], labels).mean()
+        teacher = draft_teacher(logits[:plain], d)[:, first:]  # [B, T - d - first, V]
+        drafts = mtp_logits[d - 1][:, first : seq_len - d]
+        return optax.softmax_cross_entropy(drafts, teacher).mean()
+      labels = windows[:plain, first + d + 1 : seq_len + d + 1]
+      drafts = mtp_logits[d - 1][:, first:]
+      return optax.softmax_cross_entropy_with_integer_labels(drafts, labels).mean()
 
     mtp_losses = jnp.stack([mtp_loss(d) for d in range(1, depth + 1)])
     if cfg.draft_head_only:  # the frozen target's loss is logged, not trained
@@ -481,7 +510,7 @@ class Trainer:
       mask = unlikelihood.penalised_mask(
         rollouts, start, cfg.unlikelihood_ngram, self.malformed_tokens
       )
-      inputs = unlikelihood.padded(rollouts)  # [U, >= P + N]
+      inputs = decoding.padded(rollouts)  # [U, >= P + N]
       hidden, _ = model.forward(inputs, StepMetadata.plain(inputs, self.kernels))
       logits = model.logits(hidden[:, : rollouts.shape[1] - 1])  # [U, P + N - 1, V]
       extra["unlikelihood_loss"] = unlikelihood.unlikelihood_loss(logits, rollouts, mask, start)
@@ -492,14 +521,26 @@ class Trainer:
       total = total + cfg.unlikelihood_weight * extra["unlikelihood_loss"]
     return total, (loss, lm_loss, mtp_losses, extra)
 
-  def _step(self, params, opt_state, stream, key, lr):
-    """One AdamW update on `batch_size` windows sampled from the on-device stream (the last
-    `repetition_rows` of them repeating one span each)."""
+  def sample_batch(self, params, stream, key):
+    """A train step's inputs, from the on-device token stream (int32 [N]): (windows [B, T + 1 +
+    depth], repeats, rollouts) as `_loss` takes them. `batch_size` windows sampled from the
+    stream, the last `repetition_rows` of them repeating one span each; with
+    `draft_text="greedy"`, decoded by the target (`params`) from prefixes sampled there."""
     cfg = self.config
     window = cfg.seq_len + 1 + cfg.mtp_depth
     plain = cfg.batch_size - cfg.repetition_rows
-    starts = jax.random.randint(key, (plain,), 0, stream.shape[0] - window + 1)
-    windows = stream[starts[:, None] + jnp.arange(window)]  # [B - R, T + 1 + depth]
+    if cfg.draft_text == "greedy":
+      prefix = cfg.greedy_prefix_tokens
+      starts = jax.random.randint(key, (plain,), 0, stream.shape[0] - prefix + 1)
+      windows = decoding.greedy_rollouts(  # [B, T + 1 + depth]: P corpus tokens, then greedy
+        nnx.merge(self.graphdef, _compute_params(params)),
+        stream[starts[:, None] + jnp.arange(prefix)],
+        window - prefix,
+        self.kernels,
+      )
+    else:
+      starts = jax.random.randint(key, (plain,), 0, stream.shape[0] - window + 1)
+      windows = stream[starts[:, None] + jnp.arange(window)]  # [B - R, T + 1 + depth]
     repeats = None
     if cfg.repetition_rows:
       repeated, spans, prefixes = repetition.repeated_windows(
@@ -513,12 +554,18 @@ class Trainer:
       starts = jax.random.randint(
         jax.random.fold_in(key, 2), (cfg.unlikelihood_rows,), 0, stream.shape[0] - prefix + 1
       )
-      rollouts = unlikelihood.greedy_rollouts(  # [U, P + N]
+      rollouts = decoding.greedy_rollouts(  # [U, P + N]
         nnx.merge(self.graphdef, _compute_params(params)),
         stream[starts[:, None] + jnp.arange(prefix)],
         cfg.unlikelihood_new_tokens,
         self.kernels,
       )
+    return windows, repeats, rollouts
+
+  def _step(self, params, opt_state, stream, key, lr):
+    """One AdamW update on the batch `sample_batch` draws with `key`."""
+    cfg = self.config
+    windows, repeats, rollouts = self.sample_batch(params, stream, key)
     grads, (loss, lm_loss, mtp_losses, extra) = jax.grad(self._loss, has_aux=True)(
       params, windows, repeats, rollouts
     )

@@ -42,19 +42,30 @@ def test_draft_teacher_is_the_targets_prediction_of_the_drafted_token():
       np.testing.assert_allclose(teacher[:, t], expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("mtp_labels", trainer.MTP_LABELS)
-def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(mtp_labels):
-  config = dataclasses.replace(
+def _draft_head_config(**changes) -> trainer.TrainConfig:
+  return dataclasses.replace(
     cli.SMOKE,
     init_from="a trained checkpoint",  # the trainer takes the model below; only checked set
     draft_head_only=True,
-    mtp_labels=mtp_labels,
+    **changes,
+  )
+
+
+@pytest.mark.parametrize(
+  "mtp_labels, draft_text",
+  [("data", "corpus"), ("target", "corpus"), ("target", "greedy")],
+)
+def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(
+  mtp_labels, draft_text
+):
+  config = _draft_head_config(
+    mtp_labels=mtp_labels, draft_text=draft_text, seq_len=32, greedy_prefix_tokens=8
   )
   stream = jax.random.randint(jax.random.key(2), (4096,), 1, VOCAB)
   frozen_run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
   joint_run = trainer.Trainer(
     trainer.smoke_model_config(VOCAB),
-    dataclasses.replace(config, draft_head_only=False, init_from=None),
+    dataclasses.replace(config, draft_head_only=False, init_from=None, draft_text="corpus"),
     _model(),
   )
   before = _leaves(frozen_run.params)
@@ -75,6 +86,55 @@ def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(mt
       assert not np.array_equal(frozen[name], value), f"{name} did not train"
 
 
+def test_greedy_draft_text_is_the_targets_own_continuation_of_a_corpus_prefix():
+  prefix = 8
+  config = _draft_head_config(draft_text="greedy", seq_len=32, greedy_prefix_tokens=prefix)
+  run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
+  stream = jnp.arange(4096, dtype=jnp.int32) % (VOCAB - 1) + 1  # each prefix placed by its start
+  windows, repeats, rollouts = run.sample_batch(run.params, stream, jax.random.key(5))
+  windows = np.asarray(windows)
+  assert windows.shape == (config.batch_size, config.seq_len + 1 + config.mtp_depth)
+  assert repeats is None and rollouts is None
+  for row in windows[:, :prefix]:  # a slice of the stream
+    np.testing.assert_array_equal(np.diff(row) % (VOCAB - 1), 1)
+  # Every token after the prefix is the target's argmax given the tokens before it, as the
+  # training forward (bfloat16 compute copy) sees them.
+  model = nnx.merge(run.graphdef, trainer._compute_params(run.params))
+  hidden, _ = model.forward(windows, StepMetadata.plain(windows, run.kernels))
+  greedy = np.asarray(jnp.argmax(model.logits(hidden)[:, prefix - 1 : -1], axis=-1))
+  np.testing.assert_array_equal(windows[:, prefix:], greedy)
+  assert len(set(map(tuple, windows[:, prefix:]))) > 1  # not one constant continuation
+
+
+@pytest.mark.parametrize("mtp_labels", trainer.MTP_LABELS)
+def test_the_greedy_draft_loss_covers_the_rows_that_draft_the_continuation(mtp_labels):
+  """The loss is the mean CE of the MTP rows t >= P - 1 (row t at depth d drafts token t + d + 1,
+  the first draft after a P-token prefill comes from row P - 1), computed here row by row; with
+  target labels the last d rows have no target row to learn from."""
+  prefix = 8
+  config = _draft_head_config(
+    draft_text="greedy", mtp_labels=mtp_labels, seq_len=32, greedy_prefix_tokens=prefix
+  )
+  run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
+  windows = jax.random.randint(jax.random.key(6), (2, 32 + 1 + config.mtp_depth), 1, VOCAB)
+  loss, (_, _, mtp_losses, _) = run._loss(run.params, windows, None, None)
+  model = nnx.merge(run.graphdef, trainer._compute_params(run.params))
+  logits, mtp_logits = trainer._joint_logits(model, windows, config.mtp_depth, run.kernels)
+  log_probs = [jax.nn.log_softmax(x.astype(jnp.float32), axis=-1) for x in mtp_logits]
+  expected = []
+  for d in range(1, config.mtp_depth + 1):
+    rows = []
+    for t in range(prefix - 1, 32 - d if mtp_labels == "target" else 32):
+      if mtp_labels == "target":
+        teacher = jax.nn.softmax(logits[:, t + d].astype(jnp.float32), axis=-1)
+        rows.append(-jnp.sum(teacher * log_probs[d - 1][:, t], axis=-1))
+      else:
+        rows.append(-log_probs[d - 1][jnp.arange(2), t, windows[:, t + d + 1]])
+    expected.append(np.mean(np.stack(rows)))
+  np.testing.assert_allclose(mtp_losses, expected, rtol=1e-5)
+  np.testing.assert_allclose(loss, np.mean(expected), rtol=1e-5)
+
+
 @pytest.mark.parametrize(
   "changes, message",
   [
@@ -82,6 +142,12 @@ def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(mt
     (dict(draft_head_only=True, init_from="x", repetition_rows=2), "repetition_rows trains"),
     (dict(draft_head_only=True, init_from="x", unlikelihood_rows=1), "unlikelihood_rows trains"),
     (dict(mtp_labels="teacher"), "mtp_labels must be one of"),
+    (dict(draft_text="sampled"), "draft_text must be one of"),
+    (dict(draft_text="greedy"), "draft_text='greedy' decodes from a frozen target"),
+    (
+      dict(draft_text="greedy", draft_head_only=True, init_from="x", greedy_prefix_tokens=63),
+      r"greedy_prefix_tokens must be in \[1, seq_len - mtp_depth\] = \[1, 62\]",
+    ),
   ],
 )
 def test_bad_draft_head_settings_are_a_clear_error(changes, message):
@@ -98,3 +164,6 @@ def test_the_command_line_takes_the_draft_head_options(capsys, tmp_path):
   with pytest.raises(SystemExit):
     cli.main(parser_args + ["--mtp-labels", "teacher"])
   assert "invalid choice: 'teacher'" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(parser_args + ["--draft-text", "greedy", "--greedy-prefix-tokens", "16"])
+  assert "draft_text='greedy' decodes from a frozen target" in capsys.readouterr().err

@@ -177,14 +177,18 @@ def test_init_from_continues_from_the_checkpoint_with_its_tokenizer(smoke_run, t
   )
 
 
+@pytest.mark.parametrize(
+  "draft_options",
+  [["--mtp-labels", "target"], ["--draft-text", "greedy", "--greedy-prefix-tokens", "16"]],
+)
 def test_a_draft_head_phase_changes_the_mtp_layer_and_saves_the_target_bit_for_bit(
-  smoke_run, tmp_path
+  smoke_run, tmp_path, draft_options
 ):
   base_dir, base_log = smoke_run
   output_dir = tmp_path / "draft_head"
   argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]
   phase = ["--init-from", str(base_dir), "--steps", "4", "--warmup-steps", "3"]
-  assert cli.main(argv + phase + ["--draft-head-only", "--mtp-labels", "target"]) == 0
+  assert cli.main(argv + phase + ["--draft-head-only"] + draft_options) == 0
   base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
   tuned = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
   flat = {

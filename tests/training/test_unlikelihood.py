@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxspec.model.metadata import KernelChoices
 from jaxspec.model.transformer import GlmForCausalLM
-from jaxspec.training import cli, trainer, unlikelihood
+from jaxspec.training import cli, decoding, trainer, unlikelihood
 
 
 def _numpy_mask(tokens, start, n):
@@ -67,9 +67,9 @@ def test_rollouts_are_the_trainer_s_greedy_continuations():
   config = trainer.smoke_model_config(64)
   model = GlmForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(3))
   prefixes = np.random.default_rng(4).integers(1, 64, (3, 7)).astype(np.int32)
-  rollouts = jax.jit(
-    lambda p: unlikelihood.greedy_rollouts(model, p, 9, KernelChoices(moe="dense"))
-  )(jnp.asarray(prefixes))
+  rollouts = jax.jit(lambda p: decoding.greedy_rollouts(model, p, 9, KernelChoices(moe="dense")))(
+    jnp.asarray(prefixes)
+  )
   expected = trainer.greedy_continuations(model, prefixes.tolist(), [None] * 3, 9)
   np.testing.assert_array_equal(np.asarray(rollouts)[:, :7], prefixes)
   np.testing.assert_array_equal(np.asarray(rollouts)[:, 7:], np.asarray(expected))
