@@ -33,6 +33,7 @@ DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
 DEFAULT_MODEL_NAME = "jaxspec default (GLM-4.5-style MoE + MTP, trained on Python sources)"
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+_EVAL = EvalConfig()  # the `evaluate` options' defaults
 MAX_SPEC_TOKENS = MAX_LOOKAHEAD - 1  # k draft tokens + 1 verified row fit the lookahead
 MAX_PAGE_SIZE = 1024
 
@@ -106,12 +107,19 @@ def _build_parser() -> argparse.ArgumentParser:
     "--spec-tokens",
     type=argtypes.int_in(1, MAX_SPEC_TOKENS),
     nargs="+",
-    default=[1, 2, 3, 4, 5],
+    default=list(_EVAL.spec_tokens),
   )
-  ev.add_argument("--temperatures", type=argtypes.float_in(0.0), nargs="+", default=[0.0, 0.7])
-  ev.add_argument("--num-prompts", type=argtypes.positive_int, default=16)
-  ev.add_argument("--prompt-tokens", type=argtypes.positive_int, default=96)
-  ev.add_argument("--max-new-tokens", type=argtypes.positive_int, default=64)
+  ev.add_argument(
+    "--temperatures", type=argtypes.float_in(0.0), nargs="+", default=list(_EVAL.temperatures)
+  )
+  ev.add_argument(
+    "--num-prompts",
+    type=argtypes.positive_int,
+    default=_EVAL.num_prompts,
+    help="windows of the held-out files continued (default %(default)s)",
+  )
+  ev.add_argument("--prompt-tokens", type=argtypes.positive_int, default=_EVAL.prompt_tokens)
+  ev.add_argument("--max-new-tokens", type=argtypes.positive_int, default=_EVAL.max_new_tokens)
   ev.add_argument("--seed", type=argtypes.seed, default=0)
   ev.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
   ev.add_argument("--json", action="store_true", help="print the rows as JSON")
