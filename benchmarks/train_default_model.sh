@@ -48,9 +48,13 @@
 # embedded model. The 8-layer one: first phase with `--tokenizer
 # jaxspec/assets/default_model/tokenizer.json` (the 4-layer model's), 11855 steps at 1.69M tok/s,
 # CE 1.97, demos 4 (benchmarks/results/default_model_8_layers_first_phase_training_log.json);
-# then the same second phase, TIME_BUDGET_S=175: 2023 steps, CE 1.96, demos 2, all parse. The step on the corpus's tokens took 82-95 ms with XLA's
-# scatter-add embedding gradient (its atomics serialise on frequent tokens) against 32 ms on
-# random ids; the one-hot matmul gradient runs the corpus at the random-id speed.
+# then the same second phase, TIME_BUDGET_S=175: 2023 steps, CE 1.96, demos 2, all parse. Later
+# phases for the draft head alone (--draft-head-only, corpus or --draft-text greedy) or with a
+# heavier --mtp-weight left k = 3 greedy drafting at 2.93-2.97 tokens per verify step against
+# 2.94 (benchmarks/results/default_model_8_layers_draft_phases.md). The step on the corpus's
+# tokens took 82-95 ms with XLA's scatter-add embedding gradient (its atomics serialise on
+# frequent tokens) against 32 ms on random ids; the one-hot matmul gradient runs the corpus at the
+# random-id speed.
 set -euo pipefail
 output_dir=${1:?usage: $0 OUTPUT_DIR [train options]}
 shift
