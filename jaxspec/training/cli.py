@@ -192,6 +192,10 @@ def _check_inputs(args, config: TrainConfig) -> None:
       parser.error(f"--tokenizer {args.tokenizer}: {error}")
     if args.vocab_size is not None and args.vocab_size != vocab:
       parser.error(f"--vocab-size {args.vocab_size} differs from --tokenizer's {vocab} tokens")
+  if args.greedy_prefix_tokens is not None and config.draft_text != "greedy":
+    parser.error(
+      "--greedy-prefix-tokens sets the prefix of --draft-text greedy: add that or leave it out"
+    )
   if config.init_from is not None:
     if args.tokenizer is not None:
       parser.error("--init-from brings its checkpoint's tokenizer: leave out --tokenizer")

@@ -24,21 +24,34 @@ def _leaves(params) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(path): np.array(value) for path, value in flat}
 
 
+def _target_logits(model, kernels):
+  """`model`'s target logits as one jitted function, ids [B, L] -> [B, L, V] (eager forwards
+  take seconds each on a CPU)."""
+
+  @jax.jit
+  def logits(ids):
+    hidden, _ = model.forward(ids, StepMetadata.plain(ids, kernels))
+    return model.logits(hidden)
+
+  return logits
+
+
 def test_draft_teacher_is_the_targets_prediction_of_the_drafted_token():
   model = _model()
   tokens = jax.random.randint(jax.random.key(1), (2, 12), 1, VOCAB)  # [B, T]
-  kernels = trainer.training_kernels("cpu")
-  hidden, _ = model.forward(tokens, StepMetadata.plain(tokens, kernels))
-  logits = model.logits(hidden)  # [B, T, V]
+  target_logits = _target_logits(model, trainer.training_kernels("cpu"))
+  logits = target_logits(tokens)  # [B, T, V]
+
+  def predicted_after(length):  # the target's prediction after the first `length` tokens
+    return jax.nn.softmax(target_logits(tokens[:, :length])[:, -1], axis=-1)
+
   for depth in (1, 2, 3):
     teacher = trainer.draft_teacher(logits, depth)
     assert teacher.shape == (2, 12 - depth, VOCAB)
     for t in (0, 4, 11 - depth):
       # MTP row t at this depth drafts token t + depth + 1: the target predicts it from the
       # prefix up to token t + depth.
-      prefix = tokens[:, : t + depth + 1]
-      prefix_hidden, _ = model.forward(prefix, StepMetadata.plain(prefix, kernels))
-      expected = jax.nn.softmax(model.logits(prefix_hidden)[:, -1], axis=-1)
+      expected = predicted_after(t + depth + 1)
       np.testing.assert_allclose(teacher[:, t], expected, rtol=1e-4, atol=1e-6)
 
 
@@ -51,21 +64,15 @@ def _draft_head_config(**changes) -> trainer.TrainConfig:
   )
 
 
-@pytest.mark.parametrize(
-  "mtp_labels, draft_text",
-  [("data", "corpus"), ("target", "corpus"), ("target", "greedy")],
-)
-def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(
-  mtp_labels, draft_text
-):
-  config = _draft_head_config(
-    mtp_labels=mtp_labels, draft_text=draft_text, seq_len=32, greedy_prefix_tokens=8
-  )
+@pytest.mark.parametrize("mtp_labels", trainer.MTP_LABELS)
+def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(mtp_labels):
+  # Greedy text is checked end to end in test_training.py (the CLI phase, bit for bit).
+  config = _draft_head_config(mtp_labels=mtp_labels, seq_len=32)
   stream = jax.random.randint(jax.random.key(2), (4096,), 1, VOCAB)
   frozen_run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
   joint_run = trainer.Trainer(
     trainer.smoke_model_config(VOCAB),
-    dataclasses.replace(config, draft_head_only=False, init_from=None, draft_text="corpus"),
+    dataclasses.replace(config, draft_head_only=False, init_from=None),
     _model(),
   )
   before = _leaves(frozen_run.params)
@@ -91,7 +98,7 @@ def test_greedy_draft_text_is_the_targets_own_continuation_of_a_corpus_prefix():
   config = _draft_head_config(draft_text="greedy", seq_len=32, greedy_prefix_tokens=prefix)
   run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
   stream = jnp.arange(4096, dtype=jnp.int32) % (VOCAB - 1) + 1  # each prefix placed by its start
-  windows, repeats, rollouts = run.sample_batch(run.params, stream, jax.random.key(5))
+  windows, repeats, rollouts = jax.jit(run.sample_batch)(run.params, stream, jax.random.key(5))
   windows = np.asarray(windows)
   assert windows.shape == (config.batch_size, config.seq_len + 1 + config.mtp_depth)
   assert repeats is None and rollouts is None
@@ -100,8 +107,8 @@ def test_greedy_draft_text_is_the_targets_own_continuation_of_a_corpus_prefix():
   # Every token after the prefix is the target's argmax given the tokens before it, as the
   # training forward (bfloat16 compute copy) sees them.
   model = nnx.merge(run.graphdef, trainer._compute_params(run.params))
-  hidden, _ = model.forward(windows, StepMetadata.plain(windows, run.kernels))
-  greedy = np.asarray(jnp.argmax(model.logits(hidden)[:, prefix - 1 : -1], axis=-1))
+  logits = _target_logits(model, run.kernels)(windows)  # [B, T + 1 + depth, V]
+  greedy = np.asarray(jnp.argmax(logits[:, prefix - 1 : -1], axis=-1))
   np.testing.assert_array_equal(windows[:, prefix:], greedy)
   assert len(set(map(tuple, windows[:, prefix:]))) > 1  # not one constant continuation
 
@@ -117,9 +124,11 @@ def test_the_greedy_draft_loss_covers_the_rows_that_draft_the_continuation(mtp_l
   )
   run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
   windows = jax.random.randint(jax.random.key(6), (2, 32 + 1 + config.mtp_depth), 1, VOCAB)
-  loss, (_, _, mtp_losses, _) = run._loss(run.params, windows, None, None)
+  loss, (_, _, mtp_losses, _) = jax.jit(run._loss)(run.params, windows, None, None)
   model = nnx.merge(run.graphdef, trainer._compute_params(run.params))
-  logits, mtp_logits = trainer._joint_logits(model, windows, config.mtp_depth, run.kernels)
+  logits, mtp_logits = jax.jit(
+    lambda w: trainer._joint_logits(model, w, config.mtp_depth, run.kernels)
+  )(windows)
   log_probs = [jax.nn.log_softmax(x.astype(jnp.float32), axis=-1) for x in mtp_logits]
   expected = []
   for d in range(1, config.mtp_depth + 1):
@@ -167,3 +176,6 @@ def test_the_command_line_takes_the_draft_head_options(capsys, tmp_path):
   with pytest.raises(SystemExit):
     cli.main(parser_args + ["--draft-text", "greedy", "--greedy-prefix-tokens", "16"])
   assert "draft_text='greedy' decodes from a frozen target" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(parser_args + ["--greedy-prefix-tokens", "16"])
+  assert "--greedy-prefix-tokens sets the prefix of --draft-text greedy" in capsys.readouterr().err
