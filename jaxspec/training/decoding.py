@@ -25,7 +25,7 @@ def greedy_rollouts(model, prefixes: jax.Array, new_tokens: int, kernels) -> jax
   continuations, by re-running the causal forward over the whole buffer for every new token (no
   cache: the tokens after a position do not affect it). Traced inside the train step, one
   `fori_loop`; no gradient flows through the decoded tokens."""
-  rows, prefix = prefixes.shape
+  prefix = prefixes.shape[1]
   buffer = padded(jnp.pad(prefixes, ((0, 0), (0, new_tokens))))  # [U, >= P + N]
   step = StepMetadata.plain(buffer, kernels)
 

@@ -529,15 +529,9 @@ class Trainer:
     cfg = self.config
     window = cfg.seq_len + 1 + cfg.mtp_depth
     plain = cfg.batch_size - cfg.repetition_rows
-    if cfg.draft_text == "greedy":
+    if cfg.draft_text == "greedy":  # [B, T + 1 + depth]: P corpus tokens, then greedy ones
       prefix = cfg.greedy_prefix_tokens
-      starts = jax.random.randint(key, (plain,), 0, stream.shape[0] - prefix + 1)
-      windows = decoding.greedy_rollouts(  # [B, T + 1 + depth]: P corpus tokens, then greedy
-        nnx.merge(self.graphdef, _compute_params(params)),
-        stream[starts[:, None] + jnp.arange(prefix)],
-        window - prefix,
-        self.kernels,
-      )
+      windows = self._greedy_rollouts(params, stream, key, plain, prefix, window - prefix)
     else:
       starts = jax.random.randint(key, (plain,), 0, stream.shape[0] - window + 1)
       windows = stream[starts[:, None] + jnp.arange(window)]  # [B - R, T + 1 + depth]
@@ -550,17 +544,27 @@ class Trainer:
       windows = jnp.concatenate([windows, repeated])  # [B, T + 1 + depth]
     rollouts = None
     if cfg.unlikelihood_rows:
-      prefix = cfg.unlikelihood_prefix_tokens
-      starts = jax.random.randint(
-        jax.random.fold_in(key, 2), (cfg.unlikelihood_rows,), 0, stream.shape[0] - prefix + 1
-      )
-      rollouts = decoding.greedy_rollouts(  # [U, P + N]
-        nnx.merge(self.graphdef, _compute_params(params)),
-        stream[starts[:, None] + jnp.arange(prefix)],
+      rollouts = self._greedy_rollouts(  # [U, P + N]
+        params,
+        stream,
+        jax.random.fold_in(key, 2),
+        cfg.unlikelihood_rows,
+        cfg.unlikelihood_prefix_tokens,
         cfg.unlikelihood_new_tokens,
-        self.kernels,
       )
     return windows, repeats, rollouts
+
+  def _greedy_rollouts(self, params, stream, key, rows, prefix, new_tokens):
+    """int32 [rows, prefix + new_tokens]: `rows` prefixes of `prefix` tokens sampled from the
+    stream with `key`, each continued greedily by the target (the bf16 compute copy of
+    `params`)."""
+    starts = jax.random.randint(key, (rows,), 0, stream.shape[0] - prefix + 1)
+    return decoding.greedy_rollouts(
+      nnx.merge(self.graphdef, _compute_params(params)),
+      stream[starts[:, None] + jnp.arange(prefix)],
+      new_tokens,
+      self.kernels,
+    )
 
   def _step(self, params, opt_state, stream, key, lr):
     """One AdamW update on the batch `sample_batch` draws with `key`."""
