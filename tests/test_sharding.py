@@ -60,7 +60,8 @@ def assert_same_outputs(sharded, single, ids, label):
 
 
 def _run_on_8_devices(body: str) -> str:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
   script = _PRELUDE + textwrap.dedent(body)
   result = subprocess.run(
