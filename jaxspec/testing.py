@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import os
 
 from jax import monitoring
 
@@ -32,3 +33,9 @@ def count_compiles():
     yield count
   finally:
     monitoring.unregister_event_duration_listener(listener)
+
+
+def appended_xla_flags(*flags: str) -> str:
+  """This process's `XLA_FLAGS` with `flags` appended, for `os.environ` or a subprocess's
+  environment (XLA reads the variable once, when a backend starts)."""
+  return " ".join(filter(None, (os.environ.get("XLA_FLAGS"), *flags)))

@@ -8,6 +8,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxspec.testing import appended_xla_flags
+
 # `python -m jaxspec` run by a test writes no compilation cache of its own (tests of the cache
 # set the variable themselves).
 os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "off")
@@ -35,9 +37,7 @@ FAST_COMPILE_FLAGS = (
   "--xla_llvm_disable_expensive_passes=true",
 )
 if not _gpu_plugin_installed():
-  os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, (os.environ.get("XLA_FLAGS"), *FAST_COMPILE_FLAGS))
-  )
+  os.environ["XLA_FLAGS"] = appended_xla_flags(*FAST_COMPILE_FLAGS)
 
 
 def _on_gpu() -> bool:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxspec.testing import appended_xla_flags
+
 REPO = Path(__file__).parents[1]
 
 _PRELUDE = """
@@ -66,8 +68,8 @@ def assert_same_outputs(sharded, single_outputs, ids, label):
 
 
 def _run_on_8_devices(body: str) -> str:
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+  flags = appended_xla_flags("--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
   script = _PRELUDE + textwrap.dedent(body)
   result = subprocess.run(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxspec.testing import appended_xla_flags
+
 REPO = Path(__file__).parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 
@@ -89,9 +91,7 @@ def check_against_unsharded(sharded, single, rule):
 def _run_on_8_devices(script: str, *args: str) -> str:
   """Runs `_PRELUDE + script` in a fresh interpreter with 8 virtual CPU devices; returns stdout."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (
-    env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+  env["XLA_FLAGS"] = appended_xla_flags("--xla_force_host_platform_device_count=8")
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
   code = _PRELUDE + textwrap.dedent(script)
