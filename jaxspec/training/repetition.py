@@ -81,10 +81,13 @@ def self_reinforcement_loss(
 DIAGNOSTIC_SPANS = ((12, 10), (48, 4))
 
 
-def repetition_profiles(model, stream, kernels) -> dict[str, dict[str, list[float]]]:
-  """`repetition_profile` at each of `DIAGNOSTIC_SPANS`, keyed "span_<tokens>"."""
+def repetition_profiles(
+  model, stream, kernels, *, rows: int = 64
+) -> dict[str, dict[str, list[float]]]:
+  """`repetition_profile` at each of `DIAGNOSTIC_SPANS` over `rows` places, keyed
+  "span_<tokens>"."""
   return {
-    f"span_{span}": repetition_profile(model, stream, kernels, span=span, repeats=count)
+    f"span_{span}": repetition_profile(model, stream, kernels, span=span, repeats=count, rows=rows)
     for span, count in DIAGNOSTIC_SPANS
   }
 
