@@ -50,11 +50,16 @@ the XLA merge where the KV is split; the 128-row two-warpgroup tile at G 12, L 3
 128-row tile of two warpgroups (``TuningConfig.two_warpgroup_tiles``), at B8 and
 B64, L 8k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json,md}``.
 
+``--transposed-check`` instead times our kernel with 64-row tiles against transposed scores
+(``TuningConfig.transposed_scores``) on the shapes where we trail FlashInfer or read the KV
+twice (``results/decode_attention_transposed.{json,md}``); ``--fp8-transposed-check`` the same on
+fp8 pages at B8 and B64 L32k (``results/decode_attention_fp8_transposed.{json,md}``).
+
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
 its CUPTI time, next to the steady-state time per call: where the time of small shapes goes.
 
-``--smoke`` (main run, ``--tune`` and ``--two-warpgroup-check``) runs the same steps on tiny
+``--smoke`` (main run, ``--tune`` and the checks) runs the same steps on tiny
 shapes in GPU interpret mode with ours and XLA only: a CPU check of the script, not a
 measurement.
 
@@ -645,9 +650,28 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
   )
 
 
-def transposed_check(rng, out_dir, smoke=False):
+def transposed_check(rng, out_dir, smoke=False, fp8=False):
   """Transposed scores (rows as the wgmma N dimension) against row tiles of 64, over the shapes
-  of the main run where we trail FlashInfer or read the KV more than once."""
+  of the main run where we trail FlashInfer or read the KV more than once; with ``fp8``, on fp8
+  pages instead (``decode_attention_fp8_transposed.*``)."""
+  if fp8:
+    shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
+      ("B64 L32k", [32768] * 64, (1, 3, 7), GROUP, HEAD_DIM, True),
+      ("B8 L32k", [32768] * 8, (1, 3), GROUP, HEAD_DIM, True),
+      ("B64 L32k", [32768] * 64, (1,), GLM_GROUP, HEAD_DIM, True),
+    ]
+    if smoke:
+      shapes = [("B2 L200", [200, 77], (1, 3), GROUP, HEAD_DIM, True)]
+    config_check(
+      rng,
+      out_dir,
+      "decode_attention_fp8_transposed",
+      "fp8 pages: transposed scores against 64-row tiles",
+      lambda config: dataclasses.replace(config, transposed_scores=True),
+      shapes,
+      smoke,
+    )
+    return
   ragged = rng.integers(1024, 32768 + 1, size=64)
   shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
     ("B1 L8k", [8192], (1, 7), GROUP, HEAD_DIM, False),
@@ -660,13 +684,9 @@ def transposed_check(rng, out_dir, smoke=False):
     ("B64 L32k", [32768] * 64, (1, 6, 7), GLM_GROUP, HEAD_DIM, False),
     ("B8 L32k", [32768] * 8, (1,), GROUP, 64, False),
     ("B64 L32k", [32768] * 64, (1, 7), GROUP, 64, False),
-    ("B64 L32k", [32768] * 64, (1, 7), GROUP, HEAD_DIM, True),
   ]
   if smoke:
-    shapes = [
-      ("B2 L200", [200, 77], (1, 7), GLM_GROUP, 64, False),
-      ("B2 L200", [200, 77], (3,), GROUP, HEAD_DIM, True),
-    ]
+    shapes = [("B2 L200", [200, 77], (1, 7), GLM_GROUP, 64, False)]
   config_check(
     rng,
     out_dir,
@@ -750,6 +770,11 @@ def main():
     action="store_true",
     help="only: 64-row tiles against transposed scores (decode_attention_transposed.*)",
   )
+  parser.add_argument(
+    "--fp8-transposed-check",
+    action="store_true",
+    help="only: the same on fp8 pages (decode_attention_fp8_transposed.*)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
@@ -774,8 +799,8 @@ def main():
   if args.two_warpgroup_check:
     two_warpgroup_check(rng, out_dir, smoke=args.smoke)
     return
-  if args.transposed_check:
-    transposed_check(rng, out_dir, smoke=args.smoke)
+  if args.transposed_check or args.fp8_transposed_check:
+    transposed_check(rng, out_dir, smoke=args.smoke, fp8=args.fp8_transposed_check)
     return
   if args.breakdown:
     breakdown(rng, out_dir)
@@ -977,8 +1002,8 @@ def render_markdown(meta, rows, tuning):
       or "the same"
     )
     + f"); transposed scores (transposed_scores=True) for up to "
-    f"{meta.get('default_transposed_max_rows', 'n/a')} packed rows (G x q_len) with 16-bit "
-    "pages. Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
+    f"{meta.get('default_transposed_max_rows', 'n/a')} packed rows (G x q_len), 16-bit or "
+    "fp8 pages. Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
     "faster). 'diff vs XLA' is the largest |ours - XLA reference| on the first input over the "
     f"first {XLA_CHECK_REQUESTS} requests; 'diff vs FlashInfer' over the whole first input.",
     f"Whole run: {meta.get('elapsed_s', 0):.0f} s."

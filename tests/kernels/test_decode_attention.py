@@ -323,11 +323,11 @@ def test_tuning_config_is_validated(field, value):
 @pytest.mark.parametrize(
   "q_len, group, kv_dtype, transposed",
   [(1, 8, BF16, True), (1, 12, F16, True), (2, 8, BF16, True), (3, 8, BF16, False)]
-  + [(7, 12, BF16, False), (1, 8, FP8, False)],
+  + [(7, 12, BF16, False), (1, 8, FP8, True), (1, 12, FP8, True), (3, 8, FP8, False)],
 )
 def test_default_config_transposes_scores_up_to_16_rows(q_len, group, kv_dtype, transposed):
-  """The measured policy: transposed scores for up to 16 packed rows with 16-bit pages, and the
-  api's default config follows it from the shapes of q and the pages."""
+  """The measured policy: transposed scores for up to 16 packed rows, 16-bit or fp8 pages, and
+  the api's default config follows it from the shapes of q and the pages."""
   rows = q_len * group
   assert default_config(128, 16, kv_dtype, rows).transposed_scores == transposed
   assert not default_config(128, 16, kv_dtype).transposed_scores  # rows unknown: row tiles

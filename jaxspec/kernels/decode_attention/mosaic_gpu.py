@@ -111,8 +111,9 @@ ROWS_PER_TILE = 64  # wgmma M tile of one warpgroup
 # accumulators of S^T [block_kv, N] and O^T [D, N] stay in one warpgroup's registers).
 TRANSPOSED_ROW_ALIGN = 8
 MAX_TRANSPOSED_ROWS = 128
-# default_config's transposed tiles: up to this many packed rows (measured in
-# benchmarks/results/decode_attention_transposed.md; 24 rows and more ran slower).
+# default_config's transposed tiles: up to this many packed rows, with 16-bit and fp8 pages
+# (measured in benchmarks/results/decode_attention_transposed.md and
+# decode_attention_fp8_transposed.md; 24 rows and more ran slower).
 DEFAULT_TRANSPOSED_MAX_ROWS = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # q (and 16-bit pages)
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -199,7 +200,7 @@ def default_config(
 ) -> TuningConfig:
   """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves, and
   transposed scores for up to ``DEFAULT_TRANSPOSED_MAX_ROWS`` packed rows (``G * q_len``, when
-  given) with 16-bit pages.
+  given).
 
   On the H200 a small ring that lets two work items share an SM beat a deep
   ring with one (B64 L32k q7: 2 stages 4.0 TB/s, 4 stages 3.2 TB/s). One chunk
@@ -214,7 +215,9 @@ def default_config(
   Transposed scores (H200, bf16, against 64-row tiles, same process): at 8 rows (G 8, q_len
   1) 1.03-1.26x at D 128 (B1 L8k 15.6 against 19.6 us, B64 L32k 1893 against 1952 us) and
   1.27-1.30x at D 64; at 16 rows (G 12, q_len 1) 0.99-1.02x; from 24 rows (G 8, q_len 3) on
-  equal or slower, 0.67x at 56 rows. fp8 pages were not measured with them.
+  equal or slower, 0.67x at 56 rows. With fp8 pages (same ring, D 128): at 8 rows 1.47x at B64
+  L32k (1403 against 2062 us) and 1.44x at B8 L32k, at 16 rows 1.13x at B64 L32k, at 24 rows
+  0.87x, at 56 rows 0.59x.
   """
   block_kv = max(64, page_size)
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
@@ -228,9 +231,7 @@ def default_config(
     num_stages=max(2, min(8, ring_budget // block_bytes)),
     balance_waves=DEFAULT_BALANCE_WAVES,
     fp8_8bit_layout=kv_itemsize == 1,
-    transposed_scores=(
-      kv_itemsize == 2 and num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS
-    ),
+    transposed_scores=num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS,
   )
 
 
