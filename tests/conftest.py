@@ -14,12 +14,13 @@ from jaxspec.testing import appended_xla_flags
 
 # One persistent compilation cache for the whole run, in a temporary directory: the
 # `python -m jaxspec` subprocesses and the notebook kernels compile the default model's step
-# programs again and again, and with the cache each is compiled once per run (the CLI and
-# notebook tests: 184 s of test time against 218 s without). The controller sets the variables
-# before it starts the pytest-xdist workers, which inherit them, as do the subprocesses (jax reads
-# them when it is imported; this process, which has imported jax already, is configured below).
-# The command line's own cache then stays off (`compile_cache_dir` leaves jax's cache alone), and
-# `count_compiles` still counts cache hits: jax records its compile event around the lookup.
+# programs again and again, and with the cache each is compiled once per run (the CLI, notebook
+# and compile-cache tests: 184 s of test time against 218 s without). The controller sets the
+# variables before it starts the pytest-xdist workers, which inherit them, as do the
+# subprocesses (jax reads them when it is imported; this process, which has imported jax
+# already, is configured below). The command line's own cache then stays off
+# (`compile_cache_dir` leaves jax's cache alone), and `count_compiles` still counts cache hits:
+# jax records its compile event around the lookup.
 _RUN_CACHE = "JAXSPEC_TEST_RUN_CACHE"
 if _RUN_CACHE not in os.environ:
   os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="jaxspec-tests-compile-cache-")
