@@ -655,45 +655,37 @@ def transposed_check(rng, out_dir, smoke=False, fp8=False):
   of the main run where we trail FlashInfer or read the KV more than once; with ``fp8``, on fp8
   pages instead (``decode_attention_fp8_transposed.*``)."""
   if fp8:
+    stem, title = "decode_attention_fp8_transposed", "fp8 pages: transposed scores"
     shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
       ("B64 L32k", [32768] * 64, (1, 3, 7), GROUP, HEAD_DIM, True),
       ("B8 L32k", [32768] * 8, (1, 3), GROUP, HEAD_DIM, True),
       ("B64 L32k", [32768] * 64, (1,), GLM_GROUP, HEAD_DIM, True),
     ]
-    if smoke:
-      shapes = [("B2 L200", [200, 77], (1, 3), GROUP, HEAD_DIM, True)]
-    config_check(
-      rng,
-      out_dir,
-      "decode_attention_fp8_transposed",
-      "fp8 pages: transposed scores against 64-row tiles",
-      lambda config: dataclasses.replace(config, transposed_scores=True),
-      shapes,
-      smoke,
-    )
-    return
-  ragged = rng.integers(1024, 32768 + 1, size=64)
-  shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
-    ("B1 L8k", [8192], (1, 7), GROUP, HEAD_DIM, False),
-    ("B1 L32k", [32768], (1, 3), GROUP, HEAD_DIM, False),
-    ("B8 L8k", [8192] * 8, (1,), GROUP, HEAD_DIM, False),
-    ("B8 L32k", [32768] * 8, (1, 7), GROUP, HEAD_DIM, False),
-    ("B64 L32k", [32768] * 64, (1, 3, 7), GROUP, HEAD_DIM, False),
-    ("B64 ragged 1k..32k", ragged, (1, 7), GROUP, HEAD_DIM, False),
-    ("B8 L32k", [32768] * 8, (1, 7), GLM_GROUP, HEAD_DIM, False),
-    ("B64 L32k", [32768] * 64, (1, 6, 7), GLM_GROUP, HEAD_DIM, False),
-    ("B8 L32k", [32768] * 8, (1,), GROUP, 64, False),
-    ("B64 L32k", [32768] * 64, (1, 7), GROUP, 64, False),
-  ]
-  if smoke:
-    shapes = [("B2 L200", [200, 77], (1, 7), GLM_GROUP, 64, False)]
+    smoke_shapes = [("B2 L200", [200, 77], (1, 3), GROUP, HEAD_DIM, True)]
+  else:
+    stem = "decode_attention_transposed"
+    title = "Transposed scores (variant: S^T = K Q^T, O^T = V^T P^T, rows as wgmma N)"
+    ragged = rng.integers(1024, 32768 + 1, size=64)
+    shapes = [
+      ("B1 L8k", [8192], (1, 7), GROUP, HEAD_DIM, False),
+      ("B1 L32k", [32768], (1, 3), GROUP, HEAD_DIM, False),
+      ("B8 L8k", [8192] * 8, (1,), GROUP, HEAD_DIM, False),
+      ("B8 L32k", [32768] * 8, (1, 7), GROUP, HEAD_DIM, False),
+      ("B64 L32k", [32768] * 64, (1, 3, 7), GROUP, HEAD_DIM, False),
+      ("B64 ragged 1k..32k", ragged, (1, 7), GROUP, HEAD_DIM, False),
+      ("B8 L32k", [32768] * 8, (1, 7), GLM_GROUP, HEAD_DIM, False),
+      ("B64 L32k", [32768] * 64, (1, 6, 7), GLM_GROUP, HEAD_DIM, False),
+      ("B8 L32k", [32768] * 8, (1,), GROUP, 64, False),
+      ("B64 L32k", [32768] * 64, (1, 7), GROUP, 64, False),
+    ]
+    smoke_shapes = [("B2 L200", [200, 77], (1, 7), GLM_GROUP, 64, False)]
   config_check(
     rng,
     out_dir,
-    "decode_attention_transposed",
-    "Transposed scores (variant: S^T = K Q^T, O^T = V^T P^T, rows as wgmma N) against 64-row tiles",
+    stem,
+    title + " against 64-row tiles",
     lambda config: dataclasses.replace(config, transposed_scores=True),
-    shapes,
+    smoke_shapes if smoke else shapes,
     smoke,
   )
 

@@ -22,11 +22,9 @@ from jaxspec.testing import appended_xla_flags
 # (`compile_cache_dir` leaves jax's cache alone), and `count_compiles` still counts cache hits:
 # jax records its compile event around the lookup.
 _RUN_CACHE = "JAXSPEC_TEST_RUN_CACHE"
-if _RUN_CACHE not in os.environ:
+_OWNS_RUN_CACHE = _RUN_CACHE not in os.environ  # the controller, or a run without workers
+if _OWNS_RUN_CACHE:
   os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="jaxspec-tests-compile-cache-")
-  _OWNS_RUN_CACHE = True
-else:
-  _OWNS_RUN_CACHE = False
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 jax.config.update("jax_compilation_cache_dir", os.environ[_RUN_CACHE])
@@ -35,7 +33,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 def pytest_sessionfinish(session, exitstatus):
   del session, exitstatus
-  if _OWNS_RUN_CACHE:  # the controller (or a run without workers) made it
+  if _OWNS_RUN_CACHE:
     shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
 
 

@@ -79,10 +79,12 @@ def self_reinforcement_loss(
 # (span tokens, occurrences) the diagnostic reports: a line, and a short function (greedy
 # decoding of a small model writes whole functions twice).
 DIAGNOSTIC_SPANS = ((12, 10), (48, 4))
+# Places in the held-out stream the diagnostic scores by default.
+DIAGNOSTIC_ROWS = 64
 
 
 def repetition_profiles(
-  model, stream, kernels, *, rows: int = 64
+  model, stream, kernels, *, rows: int = DIAGNOSTIC_ROWS
 ) -> dict[str, dict[str, list[float]]]:
   """`repetition_profile` at each of `DIAGNOSTIC_SPANS` over `rows` places, keyed
   "span_<tokens>"."""
@@ -100,7 +102,7 @@ def repetition_profile(
   span: int = 12,
   repeats: int = 10,
   prefix: int = 256,
-  rows: int = 64,
+  rows: int = DIAGNOSTIC_ROWS,
   seed: int = 0,
 ) -> dict[str, list[float]]:
   """How much a model reinforces a repetition in its context (DITTO's diagnostic).

@@ -932,9 +932,10 @@ def train(
     "demo_parse_rate": demos["parse_rate"],
   }
   # Occurrences 2, 3, ... of repeated held-out spans: how strongly the model copies a loop, over
-  # 64 places, or fewer when the evaluation is capped (`max_eval_windows`, the smoke runs).
+  # fewer places when the evaluation is capped (`max_eval_windows`, the smoke runs).
+  rows = min(repetition.DIAGNOSTIC_ROWS, config.max_eval_windows or repetition.DIAGNOSTIC_ROWS)
   log["final"]["held_out_repeats"] = repetition.repetition_profiles(
-    model, held_out_stream, KernelChoices(), rows=min(64, config.max_eval_windows or 64)
+    model, held_out_stream, KernelChoices(), rows=rows
   )
   log["samples"] = demos["samples"]
   with staging.staged_directory(output_dir, overwrite) as directory:
