@@ -17,6 +17,7 @@ from jaxspec import argtypes
 from jaxspec.training import staging
 from jaxspec.training.trainer import (
   DRAFT_TEXTS,
+  KEEP_CHOICES,
   MODEL_PRESETS,
   MTP_LABELS,
   TrainConfig,
@@ -101,6 +102,12 @@ _CONFIG_OPTIONS = {
     argtypes.float_in(0.0, low_open=True),
     "cut the step count to what fits in this many seconds (measured during warm-up)",
   ),
+  "keep": (
+    None,
+    "the checkpoint saved: the 'last', or of those evaluated (the start, every --eval-every "
+    "steps, the end) the one whose greedy continuations of the validation prompts read best "
+    "(no line more than twice and most parsing first): 'validation'",
+  ),
   "init_from": (
     str,
     "continue from this checkpoint of `train` (its parameters and tokenizer; fresh optimizer "
@@ -113,6 +120,7 @@ _CHOICES = {
   "model_preset": sorted(MODEL_PRESETS),
   "mtp_labels": list(MTP_LABELS),
   "draft_text": list(DRAFT_TEXTS),
+  "keep": list(KEEP_CHOICES),
 }
 _FLAGS = ("draft_head_only",)
 
@@ -222,6 +230,7 @@ def run_train(args) -> int:
   k = config.eval_draft_depth
   rows = [
     ("steps", f"{final['steps']}"),
+    ("checkpoint kept: step", f"{final['kept_step']}"),
     ("parameters", f"{log['num_params']:,}"),
     ("train next-token CE", f"{final['train_lm_loss']:.3f}"),
     ("train MTP CE", f"{final['train_mtp_loss']:.3f}"),

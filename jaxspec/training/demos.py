@@ -44,6 +44,25 @@ VALIDATION_PROMPTS = (
 )
 
 DEMO_NEW_TOKENS = 96  # tokens per continuation (issue 16's bar)
+# Issue 16's bar for a set of continuations: no line more than this many times, and a share
+# that parses above `MIN_PARSE_RATE`.
+MAX_LINE_REPEATS = 2
+MIN_PARSE_RATE = 0.5
+
+
+def meets_bar(max_line_repeats: int, parse_rate: float) -> bool:
+  """Whether continuations with this most repeated line count and parse share meet the bar."""
+  return max_line_repeats <= MAX_LINE_REPEATS and parse_rate > MIN_PARSE_RATE
+
+
+def validation_rank(max_line_repeats: int, parse_rate: float, step: int) -> tuple:
+  """The key by which `train --keep validation` picks a checkpoint (the largest wins).
+
+  From the scores of its continuations of `VALIDATION_PROMPTS`: one that meets the bar beats one
+  that does not; then the fewer repeats of the most repeated line, the larger share that parses,
+  and the later step (more trained, at equal quality).
+  """
+  return (meets_bar(max_line_repeats, parse_rate), -max_line_repeats, parse_rate, step)
 
 
 def max_line_repeats(text: str) -> tuple[int, str]:

@@ -31,6 +31,7 @@ device and windows are sampled there, so the host only feeds a key and the learn
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -52,7 +53,13 @@ from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import load_pretrained, save_pretrained
 from jaxspec.tokenizer import HfTokenizer
 from jaxspec.training import bpe, corpus, decoding, repetition, staging, unlikelihood
-from jaxspec.training.demos import DEMO_NEW_TOKENS, healed_demo_quality
+from jaxspec.training.demos import (
+  DEMO_NEW_TOKENS,
+  DEMO_PROMPTS,
+  VALIDATION_PROMPTS,
+  healed_demo_quality,
+  validation_rank,
+)
 
 
 def training_kernels(backend: str) -> KernelChoices:
@@ -125,6 +132,7 @@ def smoke_model_config(vocab_size: int) -> GlmConfig:
 MODEL_PRESETS = {"default": default_model_config, "smoke": smoke_model_config}
 MTP_LABELS = ("data", "target")
 DRAFT_TEXTS = ("corpus", "greedy")
+KEEP_CHOICES = ("last", "validation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +197,13 @@ class TrainConfig:
   # A checkpoint written by `train` to start from (its parameters, tokenizer and shape; the Adam
   # moments start afresh): a second phase run after the first, e.g. one with more repeated rows.
   init_from: str | None = None
+  # The checkpoint saved: the "last", or of those evaluated (the start, every `eval_every` steps,
+  # the end) the one whose greedy continuations of `demos.VALIDATION_PROMPTS` read best
+  # (`demos.validation_rank`): "validation". A few hundred steps move the demos' most repeated
+  # line between 2 and 4 while the held-out losses barely move
+  # (benchmarks/results/default_model_8_layers_draft_phases.md); choosing on other prompts keeps
+  # the demo prompts an unseen test of the kept checkpoint.
+  keep: str = "last"
 
   def __post_init__(self):
     if self.model_preset not in MODEL_PRESETS:
@@ -227,6 +242,8 @@ class TrainConfig:
       raise ValueError("time_budget_s times the warm-up steps: warmup_steps must be at least 3")
     if self.mtp_labels not in MTP_LABELS:
       raise ValueError(f"mtp_labels must be one of {MTP_LABELS}, got {self.mtp_labels!r}")
+    if self.keep not in KEEP_CHOICES:
+      raise ValueError(f"keep must be one of {KEEP_CHOICES}, got {self.keep!r}")
     if self.draft_text not in DRAFT_TEXTS:
       raise ValueError(f"draft_text must be one of {DRAFT_TEXTS}, got {self.draft_text!r}")
     if self.draft_text == "greedy":
@@ -654,6 +671,18 @@ class Trainer:
 # Greedy samples for the log (plain full forward over one fixed-size buffer: one compile).
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _greedy_next_tokens(graphdef, state, ids, positions, allowed):
+  """Each row's argmax next token at its own position, among its allowed tokens.
+
+  ids int32 [N, length], positions int32 [N], allowed bool [N, V] -> int32 [N]. The parameters
+  are an argument, not a constant, so that one compile serves every checkpoint of a run.
+  """
+  logits = nnx.merge(graphdef, state)(ids)  # [N, length, V]
+  logits = jnp.take_along_axis(logits, positions[:, None, None], axis=1)[:, 0]  # [N, V]
+  return jnp.argmax(jnp.where(allowed, logits, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
 def greedy_continuations(
   model: GlmForCausalLM,
   prompts: list[list[int]],
@@ -661,35 +690,40 @@ def greedy_continuations(
   new_tokens: int,
   stop_token_ids: Collection[int] = (),
 ) -> list[list[int]]:
-  """Greedy decoding of each prompt by re-running the causal forward (no cache).
+  """Greedy decoding of the prompts, all at once, by re-running the causal forward (no cache).
 
-  Every prompt runs in the same `[1, length]` buffer (the longest prompt plus `new_tokens`,
-  rounded up to 64); the tokens after the current position do not affect it (causal mask). A
-  prompt's first token is the argmax over its first-token mask (bool [V], None: every token), as
-  `Generator.generate(first_token_masks=...)` takes it for token healing. A continuation stops
-  after a token of `stop_token_ids`, which it then ends with, as `Generator.generate`'s do.
+  The prompts share one `[N, length]` buffer (the longest prompt plus `new_tokens`, rounded up to
+  64), each from its row's start; the tokens after a row's current position do not affect it
+  (causal mask), so one forward per new token gives every row its next token, read at that row's
+  own position. A prompt's first token is the argmax over its first-token mask (bool [V], None:
+  every token), as `Generator.generate(first_token_masks=...)` takes it for token healing. A
+  continuation stops after a token of `stop_token_ids`, which it then ends with, as
+  `Generator.generate`'s do.
   """
   length = -(-(max(len(p) for p in prompts) + new_tokens) // 64) * 64
-  every_token = np.ones(model.config.vocab_size, bool)  # [V]
-
-  @jax.jit
-  def next_token(ids, position, allowed):  # allowed: bool [V]
-    return jnp.argmax(jnp.where(allowed, model(ids)[0, position], -jnp.inf)).astype(jnp.int32)
-
-  continuations = []
-  for prompt_ids, mask in zip(prompts, first_token_masks, strict=True):
-    buffer = np.zeros((1, length), np.int32)
-    buffer[0, : len(prompt_ids)] = prompt_ids
-    end = len(prompt_ids) + new_tokens
-    allowed = every_token if mask is None else mask
-    for position in range(len(prompt_ids) - 1, end - 1):
-      token = int(next_token(jnp.asarray(buffer), position, allowed))
-      buffer[0, position + 1] = token
-      allowed = every_token  # only the first new token is constrained
-      if token in stop_token_ids:
-        end = position + 2
-        break
-    continuations.append(buffer[0, len(prompt_ids) : end].tolist())
+  buffer = np.zeros((len(prompts), length), np.int32)  # [N, length]
+  allowed = np.ones((len(prompts), model.config.vocab_size), bool)  # [N, V]
+  for row, (prompt_ids, mask) in enumerate(zip(prompts, first_token_masks, strict=True)):
+    buffer[row, : len(prompt_ids)] = prompt_ids
+    if mask is not None:
+      allowed[row] = mask
+  positions = np.array([len(p) - 1 for p in prompts])  # [N]: each row's last token
+  graphdef, state = nnx.split(model)
+  continuations = [[] for _ in prompts]
+  active = np.ones(len(prompts), bool)
+  for _ in range(new_tokens):
+    tokens = np.asarray(
+      _greedy_next_tokens(graphdef, state, jnp.asarray(buffer), jnp.asarray(positions), allowed)
+    )
+    allowed = np.ones_like(allowed)  # only the first new token is constrained
+    positions = positions + 1
+    for row in np.flatnonzero(active):
+      token = int(tokens[row])
+      buffer[row, positions[row]] = token
+      continuations[row].append(token)
+      active[row] = token not in stop_token_ids
+    if not active.any():
+      break
   return continuations
 
 
@@ -735,6 +769,15 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def _validation_key(metrics: dict) -> tuple:
+  """`demos.validation_rank` of an evaluation's record (`train --keep validation`)."""
+  return validation_rank(
+    metrics["validation_demo_max_line_repeats"],
+    metrics["validation_demo_parse_rate"],
+    metrics["step"],
+  )
 
 
 def _sha256(path: Path) -> str:
@@ -861,20 +904,51 @@ def train(
   }
   bits_per_nat_byte = len(held_out_stream) / held_out_bytes / math.log(2)
 
+  def demo_report(model, prompt_texts):
+    return healed_demo_quality(
+      HfTokenizer(tokenizer),
+      model_config.vocab_size,
+      lambda ids, masks: greedy_continuations(
+        model, ids, masks, DEMO_NEW_TOKENS, model_config.eos_token_ids
+      ),
+      prompt_texts,
+      stop_token_ids=model_config.eos_token_ids,
+    )
+
+  def evaluation():
+    metrics = trainer.evaluate(held_out)
+    if config.keep == "validation":
+      report = demo_report(trainer.model(), VALIDATION_PROMPTS)
+      metrics["validation_demo_max_line_repeats"] = report["max_line_repeats"]
+      metrics["validation_demo_parse_rate"] = report["parse_rate"]
+    return metrics
+
+  kept = None  # with keep="validation": (the best evaluation so far, a copy of its parameters)
+
   def run_eval(step):
-    metrics = {"step": step, **trainer.evaluate(held_out)}
+    nonlocal kept
+    metrics = {"step": step, **evaluation()}
     metrics["lm_bits_per_byte"] = metrics["lm_loss"] * bits_per_nat_byte
     log["evals"].append(metrics)
-    tqdm.write(
+    line = (
       f"step {step}: held-out CE {metrics['lm_loss']:.3f} ({metrics['lm_bits_per_byte']:.3f} "
       f"bits/byte), MTP agreement {metrics['mtp_agreement']:.3f}, tokens/step (k=3, teacher-"
-      f"forced) {metrics['tokens_per_step_k3']:.2f}; {time.perf_counter() - wall_start:.0f} s"
+      f"forced) {metrics['tokens_per_step_k3']:.2f}"
     )
+    if config.keep == "validation":
+      line += (
+        f", validation demos: line x{metrics['validation_demo_max_line_repeats']}, "
+        f"{metrics['validation_demo_parse_rate']:.2f} parse"
+      )
+      if kept is None or _validation_key(metrics) > _validation_key(kept[0]):
+        # The train step donates the parameters' buffers: the kept ones are a copy.
+        kept = metrics, jax.tree.map(jnp.copy, trainer.params)
+    tqdm.write(f"{line}; {time.perf_counter() - wall_start:.0f} s")
     return metrics
 
   run_eval(0)
   eval_start = time.perf_counter()  # a second evaluation, without its compile, times one
-  trainer.evaluate(held_out)
+  evaluation()
   eval_s = time.perf_counter() - eval_start
   total_steps = config.steps
   key = jax.random.key(config.seed)
@@ -915,18 +989,19 @@ def train(
   final = run_eval(total_steps)
 
   model = trainer.model()
-  demos = healed_demo_quality(
-    HfTokenizer(tokenizer),
-    model_config.vocab_size,
-    lambda ids, masks: greedy_continuations(
-      model, ids, masks, DEMO_NEW_TOKENS, model_config.eos_token_ids
-    ),
-    stop_token_ids=model_config.eos_token_ids,
-  )
+  if kept is not None:
+    final, params = kept
+    model = nnx.merge(trainer.graphdef, params)
+    tqdm.write(f"kept the checkpoint of step {final['step']} (--keep validation)")
+  demos = demo_report(model, DEMO_PROMPTS)
+  # The train losses logged last at or before the kept step, computed on its parameters when
+  # logged at it.
+  trained = [h for h in log["history"] if h["step"] <= final["step"]]
   log["final"] = {
     "steps": total_steps,
-    "train_lm_loss": log["history"][-1]["lm_loss"],
-    "train_mtp_loss": log["history"][-1]["mtp_loss"],
+    "kept_step": final["step"],
+    "train_lm_loss": trained[-1]["lm_loss"],
+    "train_mtp_loss": trained[-1]["mtp_loss"],
     **{f"held_out_{k}": v for k, v in final.items() if k != "step"},
     "demo_max_line_repeats": demos["max_line_repeats"],
     "demo_parse_rate": demos["parse_rate"],

@@ -94,3 +94,26 @@ def test_validation_prompts_are_other_prompts_of_the_same_kinds_and_are_continue
   assert [s["prompt"] for s in report["samples"]] == list(VALIDATION_PROMPTS)
   assert [s["continuation"] for s in report["samples"]] == [""] * len(VALIDATION_PROMPTS)
   assert [f[: len(i)] for f, i in zip(full, seen, strict=True)] == seen
+
+
+def test_the_validation_rank_puts_the_bar_first_then_repeats_then_parsing_then_the_later_step():
+  from jaxspec.training import trainer
+  from jaxspec.training.demos import meets_bar
+
+  assert meets_bar(2, 0.51) and not meets_bar(3, 1.0) and not meets_bar(1, 0.5)
+
+  def record(step, repeats, parse_rate):
+    return {
+      "step": step,
+      "validation_demo_max_line_repeats": repeats,
+      "validation_demo_parse_rate": parse_rate,
+    }
+
+  def kept(*records):
+    return max(records, key=trainer._validation_key)["step"]
+
+  assert kept(record(0, 1, 0.5), record(250, 2, 0.6)) == 250  # only the second meets the bar
+  assert kept(record(0, 1, 0.6), record(250, 2, 1.0)) == 0  # both do: fewer repeats
+  assert kept(record(0, 2, 0.6), record(250, 2, 0.9)) == 250  # then the larger share parsing
+  assert kept(record(0, 2, 0.9), record(250, 2, 0.9), record(500, 4, 1.0)) == 250  # the later
+  assert kept(record(0, 3, 0.2), record(250, 5, 0.9)) == 0  # neither: fewer repeats

@@ -152,6 +152,7 @@ def test_the_greedy_draft_loss_covers_the_rows_that_draft_the_continuation(mtp_l
     (dict(draft_head_only=True, init_from="x", unlikelihood_rows=1), "unlikelihood_rows trains"),
     (dict(mtp_labels="teacher"), "mtp_labels must be one of"),
     (dict(draft_text="sampled"), "draft_text must be one of"),
+    (dict(keep="best"), "keep must be one of"),
     (dict(draft_text="greedy"), "draft_text='greedy' decodes from a frozen target"),
     (
       dict(draft_text="greedy", draft_head_only=True, init_from="x", greedy_prefix_tokens=63),

@@ -153,14 +153,41 @@ def test_checkpoint_round_trips_with_load_pretrained_and_its_tokenizer(smoke_run
     assert metrics[name] == pytest.approx(final[name], rel=1e-5, abs=1e-6), name
 
 
-def test_init_from_continues_from_the_checkpoint_with_its_tokenizer(smoke_run, tmp_path):
+def test_init_from_continues_from_the_checkpoint_and_keep_validation_can_save_its_start(
+  smoke_run, tmp_path, monkeypatch
+):
   base_dir, base_log = smoke_run
+  # `--keep validation` with the first evaluation, the loaded checkpoint's, ranked above the
+  # others: the saved weights must then be the loaded ones bit for bit, though the steps after it
+  # changed the parameters (whose buffers each step donates).
+  monkeypatch.setattr(trainer, "_validation_key", lambda metrics: -metrics["step"])
+  # Two of the prompts: each evaluation continues them by 96 tokens, which on a CPU costs more
+  # than the whole phase's training.
+  monkeypatch.setattr(trainer, "VALIDATION_PROMPTS", trainer.VALIDATION_PROMPTS[:2])
   output_dir = tmp_path / "second_phase"
   argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]
-  phase = ["--init-from", str(base_dir), "--steps", "4", "--warmup-steps", "3"]
+  phase = ["--init-from", str(base_dir), "--steps", "4", "--warmup-steps", "3", "--keep"]
+  phase += ["validation"]
   assert cli.main(argv + phase + ["--repetition-rows", "2", "--unlikelihood-rows", "2"]) == 0
   with open(output_dir / "training_log.json") as f:
     log = json.load(f)
+  evals, final = log["evals"], log["final"]
+  assert [e["step"] for e in evals] == [0, 4]
+  for e in evals:
+    assert e["validation_demo_max_line_repeats"] >= 1
+    assert 0.0 <= e["validation_demo_parse_rate"] <= 1.0
+  assert evals[-1]["lm_loss"] != evals[0]["lm_loss"]
+  assert (final["steps"], final["kept_step"]) == (4, 0)
+  assert final["held_out_lm_loss"] == evals[0]["lm_loss"]
+  assert final["train_lm_loss"] == log["history"][0]["lm_loss"]
+  base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
+  saved = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
+  for before, after in zip(
+    jax.tree.leaves(nnx.state(base, nnx.Param)),
+    jax.tree.leaves(nnx.state(saved, nnx.Param)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(before, np.float32), np.asarray(after, np.float32))
   # The second phase evaluates the loaded bf16 parameters before its first step: exactly the
   # first phase's final (bf16) evaluation, on the same held-out windows.
   start, end = log["evals"][0], base_log["evals"][-1]
@@ -171,7 +198,6 @@ def test_init_from_continues_from_the_checkpoint_with_its_tokenizer(smoke_run, t
     base_dir / "model.safetensors"
   )
   assert log["train_config"]["init_from"] == str(base_dir)
-  assert log["final"]["steps"] == 4
   assert {"repetition_loss", "unlikelihood_loss", "rollout_malformed_share"} <= set(
     log["history"][0]
   )
