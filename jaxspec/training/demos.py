@@ -55,16 +55,6 @@ def meets_bar(max_line_repeats: int, parse_rate: float) -> bool:
   return max_line_repeats <= MAX_LINE_REPEATS and parse_rate > MIN_PARSE_RATE
 
 
-def validation_rank(max_line_repeats: int, parse_rate: float, step: int) -> tuple:
-  """The key by which `train --keep validation` picks a checkpoint (the largest wins).
-
-  From the scores of its continuations of `VALIDATION_PROMPTS`: one that meets the bar beats one
-  that does not; then the fewer repeats of the most repeated line, the larger share that parses,
-  and the later step (more trained, at equal quality).
-  """
-  return (meets_bar(max_line_repeats, parse_rate), -max_line_repeats, parse_rate, step)
-
-
 def max_line_repeats(text: str) -> tuple[int, str]:
   """(count, line) of the most repeated non-blank line (trailing spaces ignored); (0, "") if none.
 

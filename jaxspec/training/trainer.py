@@ -58,7 +58,7 @@ from jaxspec.training.demos import (
   DEMO_PROMPTS,
   VALIDATION_PROMPTS,
   healed_demo_quality,
-  validation_rank,
+  meets_bar,
 )
 
 
@@ -199,7 +199,7 @@ class TrainConfig:
   init_from: str | None = None
   # The checkpoint saved: the "last", or of those evaluated (the start, every `eval_every` steps,
   # the end) the one whose greedy continuations of `demos.VALIDATION_PROMPTS` read best
-  # (`demos.validation_rank`): "validation". A few hundred steps move the demos' most repeated
+  # (`_validation_key`): "validation". A few hundred steps move the demos' most repeated
   # line between 2 and 4 while the held-out losses barely move
   # (benchmarks/results/default_model_8_layers_draft_phases.md); choosing on other prompts keeps
   # the demo prompts an unseen test of the kept checkpoint.
@@ -702,7 +702,8 @@ def greedy_continuations(
   """
   length = -(-(max(len(p) for p in prompts) + new_tokens) // 64) * 64
   buffer = np.zeros((len(prompts), length), np.int32)  # [N, length]
-  allowed = np.ones((len(prompts), model.config.vocab_size), bool)  # [N, V]
+  every_token = np.ones((len(prompts), model.config.vocab_size), bool)  # [N, V]
+  allowed = every_token.copy()
   for row, (prompt_ids, mask) in enumerate(zip(prompts, first_token_masks, strict=True)):
     buffer[row, : len(prompt_ids)] = prompt_ids
     if mask is not None:
@@ -715,7 +716,7 @@ def greedy_continuations(
     tokens = np.asarray(
       _greedy_next_tokens(graphdef, state, jnp.asarray(buffer), jnp.asarray(positions), allowed)
     )
-    allowed = np.ones_like(allowed)  # only the first new token is constrained
+    allowed = every_token  # only the first new token is constrained
     positions = positions + 1
     for row in np.flatnonzero(active):
       token = int(tokens[row])
@@ -772,12 +773,15 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
 
 
 def _validation_key(metrics: dict) -> tuple:
-  """`demos.validation_rank` of an evaluation's record (`train --keep validation`)."""
-  return validation_rank(
-    metrics["validation_demo_max_line_repeats"],
-    metrics["validation_demo_parse_rate"],
-    metrics["step"],
-  )
+  """The key by which `train --keep validation` picks an evaluation's checkpoint (largest wins).
+
+  From the scores of its continuations of `VALIDATION_PROMPTS`: one that meets the demo bar
+  (`demos.meets_bar`) beats one that does not; then the fewer repeats of the most repeated line,
+  the larger share that parses, and the later step (more trained, at equal quality).
+  """
+  repeats = metrics["validation_demo_max_line_repeats"]
+  parse_rate = metrics["validation_demo_parse_rate"]
+  return (meets_bar(repeats, parse_rate), -repeats, parse_rate, metrics["step"])
 
 
 def _sha256(path: Path) -> str:
