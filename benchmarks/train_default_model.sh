@@ -52,11 +52,12 @@
 # phases for the draft head alone (--draft-head-only, corpus or --draft-text greedy) or with a
 # heavier --mtp-weight (up to 30) left k = 3 greedy drafting at 2.92-2.99 tokens per verify step
 # against 2.94 (benchmarks/results/default_model_8_layers_draft_phases.md); a first phase with
-# `--mtp-depth 3 --mtp-weight 3` took it to 3.05-3.11 at CE 2.05-2.08, but the demos loop (a line
-# four times) after second phases of up to 270 s shared with another run (same file). A shape
-# between the two, 6 layers of hidden 320 (experts of 64, 6.9M parameters) trained by the same
-# two phases: CE 1.97, k = 3 greedy 3.02 tokens per verify step on a CPU and 2.99 on the H200,
-# but demos 4 with half parsing, and 1.98-2.11x over plain decoding; not shipped
+# `--mtp-depth 3 --mtp-weight 3` took it to 3.05-3.11 at CE 2.05-2.08, but a class demo loops (a
+# line or a method four times) after every second phase tried, up to 330 s alone on the GPU with
+# `--keep validation` (same file). A shape between the two, 6 layers of hidden 320 (experts of
+# 64, 6.9M parameters) trained by the same two phases: CE 1.97, k = 3 greedy 3.02 tokens per
+# verify step on a CPU and 2.99 on the H200, but demos 4 with half parsing, and 1.98-2.11x over
+# plain decoding; not shipped
 # (benchmarks/results/default_model_6_layers_candidate.json). The step on the corpus's tokens
 # took 82-95 ms with XLA's scatter-add embedding gradient (its atomics serialise on frequent
 # tokens) against 32 ms on random ids; the one-hot matmul gradient runs the corpus at the random-id
