@@ -64,7 +64,7 @@ reductions and stores around it are the kernel's own in both modes.
 Measured on an H200 (this design, ``benchmarks/bench_sparse_index.py``, block 64): at top-k 2048,
 20.0 us at T = 4096 (3.35 TB/s; 2.6x the fused XLA expression; XLA's elementwise read-and-write
 of the same top-k bytes, with no lookup, takes 17.3 us, and the CUDA driver's device-to-device
-memcpy of them 17.1 us) and 2.0 us at T = 64 (2.0x). Where a
+memcpy of them 17.1-17.2 us) and 2.0 us at T = 64 (2.0x). Where a
 group packs several tokens the per-token counts cost more: at K = 128, T = 4096, 5.8 us against
 XLA's 5.5; at K = 2047, T = 64 (16 groups of 4 tokens for 132 SMs), 4.9 us against 4.5.
 """
