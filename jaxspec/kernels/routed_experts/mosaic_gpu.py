@@ -66,9 +66,10 @@ SMEM_BYTES = 227 * 1024  # usable shared memory per SM on Hopper
 # Accumulator elements per consumer warpgroup (all accumulators of a kernel together): 128
 # float32 registers per thread at most, so the epilogue and the addressing keep theirs.
 MAX_ACC_ELEMENTS = 128 * 128
-# Mean routes per expert from which default_config takes 128-row two-warpgroup tiles: measured
-# gains at 128 (GLM-4.5-Air, 2048 tokens), none at 24; GLM-4.5 at 2048 tokens has 102.
-PREFILL_ROUTES_PER_EXPERT = 96
+# Mean routes per expert from which default_config takes 128-row two-warpgroup tiles: on the
+# H200 both GLM shapes crossed over between 56 (0.96-0.98x) and 64 (1.11-1.17x) routes per
+# expert (default_config's docstring).
+PREFILL_ROUTES_PER_EXPERT = 64
 # Routes up to which plan_routes compares all pairs instead of sorting (128 tokens at top-8:
 # decode batches and short verify steps): its [rows, T * k] comparison grows quadratically.
 COMPARE_PLAN_MAX_ROUTES = 1024
@@ -173,7 +174,11 @@ def default_config(
   Prefill sizes: 128-row tiles split over two consumer warpgroups (64 rows each) fed by a
   producer warpgroup. A 64-row tile pulls a whole weight block through L2 for 64 rows, and at
   these sizes that traffic, not the wgmmas, set the pace: at 2048 tokens 2151 -> 1749 us, at
-  8192 6071 -> 4814 us; at 384 tokens (24 routes per expert) 1155 -> 1165 us, no gain.
+  8192 6071 -> 4814 us; at 384 tokens (24 routes per expert) 1155 -> 1165 us, no gain. In
+  between, the one-warpgroup config's time over the prefill config's (H200, both timed in one
+  process; GLM-4.5-Air / GLM-4.5) was 0.94 / 0.94 at 48 routes per expert, 0.96 / 0.98 at 56,
+  1.11 / 1.17 at 64, 1.25 / 1.29 at 72 and 1.31 / 1.32 at 88: hence the threshold at 64
+  (``benchmarks/NOTES_routed_experts.md``).
   """
   routes = num_tokens * top_k
   prefill = TuningConfig(
