@@ -21,11 +21,14 @@ a cut run keeps its rows).
 
 ``--quick`` times fewer token counts; ``--tokens`` and ``--shapes`` choose them; ``--tune`` adds
 a sweep of TuningConfigs per token count (GLM-4.5-Air) to choose defaults from, ``--tune-only``
-runs the sweep alone; ``--smoke`` runs tiny shapes in GPU interpret mode on any backend (a check
-of the script, not a measurement) and writes to a temporary directory unless ``--out`` is given.
+runs the sweep alone (into ``moe_tuning.json`` and ``.md``); ``--crossover`` alone times
+``default_config``'s two choices around its threshold on every shape of ``--shapes`` (into
+``moe_crossover.json`` and ``.md``); ``--smoke`` runs tiny shapes in GPU interpret mode on any
+backend (a check of the script, not a measurement) and writes to a temporary directory unless
+``--out`` is given.
 
 Usage: ``python benchmarks/bench_moe.py [--quick] [--tune | --tune-only] [--tokens N ...]
-[--shapes NAME ...]`` or ``... --smoke``.
+[--shapes NAME ...]``, ``... --crossover [--shapes NAME ...]`` or either with ``--smoke``.
 """
 
 import argparse
@@ -55,6 +58,8 @@ QUICK_TOKENS = (1, 64, 384, 2048, 8192)
 TUNE_TOKENS = (1, 16, 64, 384, 2048, 8192)
 QUICK_TUNE_TOKENS = (1, 64, 384, 8192)
 BREAKDOWN_TOKENS = (1, 64, 2048, 8192)
+# Mean routes per expert of the --crossover sweep, around default_config's threshold.
+CROSSOVER_ROUTES_PER_EXPERT = (40, 48, 56, 64, 72, 80, 88)
 SMOKE_SHAPES = {"smoke": (8, 128, 128)}
 SMOKE_TOKENS = (1, 5)
 PER_ROUTE_MAX_BYTES = 24e9  # the per_route gather of one call must fit next to the rest
@@ -349,6 +354,33 @@ def tune(rng, layer, token_counts, tuning, save, smoke=False):
       save()
 
 
+def crossover(rng, layer, tuning, save, smoke=False):
+  """Times ``default_config``'s two choices, the one-warpgroup ``decode_config`` and
+  ``PREFILL_CONFIG``, on both sides of its threshold (``CROSSOVER_ROUTES_PER_EXPERT`` mean
+  routes per expert), each pair in one program order on the same inputs."""
+  num_experts, hidden, intermediate = layer.w_gate.shape
+  routes_per_expert = CROSSOVER_ROUTES_PER_EXPERT[3:4] if smoke else CROSSOVER_ROUTES_PER_EXPERT
+  for per_expert in routes_per_expert:
+    num_tokens = per_expert * num_experts // TOP_K
+    shapes = (num_tokens, TOP_K, num_experts, hidden, intermediate)
+    configs = {
+      "decode": mosaic_gpu.decode_config(*shapes),
+      "prefill": mosaic_gpu.PREFILL_CONFIG,
+    }
+    variants = fresh_inputs(rng, num_tokens, num_experts, hidden, 1 if smoke else 4)
+    for label, config in configs.items():
+      if smoke:  # the sweep's code path on a few simulated SMs
+        config = dataclasses.replace(config, num_sms=4)
+      entry = {"shape": layer.name, "tokens": num_tokens, "config": dataclasses.asdict(config)}
+      entry["default"] = config == mosaic_gpu.default_config(*shapes)
+      entry["crossover"] = {"routes_per_expert": per_expert, "choice": label}
+      fn = jax_contender("pallas", config, interpret=smoke)
+      entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
+      print("crossover", entry, flush=True)
+      tuning.append(entry)
+    save()
+
+
 def breakdown(rng, layer, token_counts, breakdowns, save):
   """CUPTI time of every GPU kernel of one call of ours (the plan's XLA kernels, the two
   Mosaic GPU kernels, the combine), fastest of five profiled calls, kernel by kernel."""
@@ -392,6 +424,11 @@ def main():
     help="the sweep alone: no contender rows, no breakdown (implies --tune)",
   )
   parser.add_argument(
+    "--crossover",
+    action="store_true",
+    help="alone: default_config's two choices around its threshold, every shape of --shapes",
+  )
+  parser.add_argument(
     "--tokens", type=int, nargs="+", default=None, help="token counts of the rows and the sweep"
   )
   parser.add_argument(
@@ -403,6 +440,8 @@ def main():
   parser.add_argument("--out", default=None, help="results directory")
   args = parser.parse_args()
   args.tune = args.tune or args.tune_only
+  if args.crossover and (args.tune or args.tokens or args.quick):
+    parser.error("--crossover runs alone, at token counts of its own")
   if args.out is not None:
     out_dir = pathlib.Path(args.out)
   else:
@@ -421,7 +460,7 @@ def main():
     shapes, token_counts = SHAPES, args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     if args.shapes:
       shapes = {name: SHAPES[name] for name in args.shapes}
-    if args.tune_only:  # the sweep runs on GLM-4.5-Air alone
+    if args.tune_only and not args.crossover:  # the sweep runs on GLM-4.5-Air alone
       shapes = {"GLM-4.5-Air": SHAPES["GLM-4.5-Air"]}
     ceilings = {"read_tbps": measure_read_bandwidth(), "matmul_tflops": measure_matmul_rate()}
     contenders = ("ours", "xla", "per_route", "torch_grouped_mm")
@@ -438,12 +477,14 @@ def main():
     "back-to-back calls; warm-up excluded",
   }
   rows, tuning, breakdowns = [], [], []
+  # A sweep alone writes files of its own, so that it never overwrites the contenders' table.
+  results_name = "moe_crossover" if args.crossover else "moe_tuning" if args.tune_only else "moe"
 
   def save():
     """Writes what has been measured so far (a run cut short keeps its finished rows)."""
     results = {"meta": meta, "rows": rows, "breakdown": breakdowns, "tuning": tuning}
-    (out_dir / "moe.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "moe.md").write_text(render_markdown(meta, rows, breakdowns, tuning))
+    (out_dir / f"{results_name}.json").write_text(json.dumps(results, indent=1))
+    (out_dir / f"{results_name}.md").write_text(render_markdown(meta, rows, breakdowns, tuning))
 
   layers = {}
   for name, (num_experts, hidden, intermediate) in shapes.items():
@@ -453,6 +494,9 @@ def main():
       n: dataclasses.asdict(mosaic_gpu.default_config(n, TOP_K, num_experts, hidden, intermediate))
       for n in token_counts
     }
+    if args.crossover:
+      crossover(rng, layers.pop(name), tuning, save, smoke=args.smoke)
+      continue
     for num_tokens in () if args.tune_only else token_counts:
       rows.append(run_row(rng, layer, num_tokens, ceilings, args.smoke, contenders))
       save()
@@ -555,7 +599,29 @@ def render_markdown(meta, rows, breakdowns, tuning):
         f"| {entry['shape']} | {entry['tokens']} | {gate_up:.0f} | {down:.0f} "
         f"| {total - gate_up - down:.0f} ({len(kernels) - 2}) | {total:.0f} |"
       )
-  if tuning:
+  pairs = {}  # (shape, tokens, routes per expert) -> {choice: us}, from --crossover
+  for entry in tuning:
+    if "crossover" in entry:
+      key = (entry["shape"], entry["tokens"], entry["crossover"]["routes_per_expert"])
+      pairs.setdefault(key, {})[entry["crossover"]["choice"]] = entry["us"]
+  if pairs:
+    lines += [
+      "",
+      "## default_config's two choices around its threshold "
+      f"({mosaic_gpu.PREFILL_ROUTES_PER_EXPERT} routes per expert)",
+      "",
+      "decode: `decode_config` (64-row tiles, one warpgroup); prefill: `PREFILL_CONFIG` (128-row "
+      "tiles split by rows over two consumer warpgroups, a producer warpgroup).",
+      "",
+      "| shape | tokens | routes per expert | decode us | prefill us | decode / prefill |",
+      "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for (shape, tokens, per_expert), times in pairs.items():
+      decode, prefill = times.get("decode"), times.get("prefill")
+      ratio = f"{decode / prefill:.2f}" if decode and prefill else "n/a"
+      decode, prefill = (f"{t:.0f}" if t else "n/a" for t in (decode, prefill))
+      lines.append(f"| {shape} | {tokens} | {per_expert} | {decode} | {prefill} | {ratio} |")
+  elif tuning:
     lines += [
       "",
       "## Tuning sweep (ours)",

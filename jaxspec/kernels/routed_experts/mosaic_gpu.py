@@ -158,6 +158,13 @@ def _pick_block_n(size: int, tiles: int, sms: int, candidates: tuple[int, ...]) 
   return min(fitting) if fitting else candidates[-1]
 
 
+# default_config's choice from PREFILL_ROUTES_PER_EXPERT routes per expert (where I and H are
+# multiples of its N blocks): 128-row tiles split by rows over two consumer warpgroups.
+PREFILL_CONFIG = TuningConfig(
+  block_m=128, block_n_gate_up=128, block_n_down=128, warpgroups=2, warpgroup_split="m"
+)
+
+
 def default_config(
   num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
 ) -> TuningConfig:
@@ -178,19 +185,22 @@ def default_config(
   between, the one-warpgroup config's time over the prefill config's (H200, both timed in one
   process; GLM-4.5-Air / GLM-4.5) was 0.94 / 0.94 at 48 routes per expert, 0.96 / 0.98 at 56,
   1.11 / 1.17 at 64, 1.25 / 1.29 at 72 and 1.31 / 1.32 at 88: hence the threshold at 64
-  (``benchmarks/NOTES_routed_experts.md``).
+  (``benchmarks/NOTES_routed_experts.md``; ``benchmarks/bench_moe.py --crossover`` re-times
+  both choices).
   """
-  routes = num_tokens * top_k
-  prefill = TuningConfig(
-    block_m=128,
-    block_n_gate_up=128,
-    block_n_down=128,
-    warpgroups=2,
-    warpgroup_split="m",
-  )
+  prefill = PREFILL_CONFIG
   divides = intermediate % prefill.block_n_gate_up == 0 and hidden % prefill.block_n_down == 0
-  if routes >= PREFILL_ROUTES_PER_EXPERT * num_experts and divides:
+  if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts and divides:
     return prefill
+  return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
+
+
+def decode_config(
+  num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int
+) -> TuningConfig:
+  """``default_config``'s choice below ``PREFILL_ROUTES_PER_EXPERT`` routes per expert: 64-row
+  tiles, one warpgroup, N blocks that give every SM two work items where the shapes allow."""
+  routes = num_tokens * top_k
   tiles = max(min(routes, num_experts), routes // ROWS_PER_WGMMA)
   sms = num_sms(None)
   return TuningConfig(
