@@ -338,20 +338,27 @@ def tune(rng, layer, token_counts, tuning, save, smoke=False):
       count = 1 if smoke else calls_per_program(num_tokens * 2e-6 + 1e-3, 8)
       variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
       for config in configs:
-        entry = {"shape": layer.name, "tokens": num_tokens, "config": dataclasses.asdict(config)}
-        entry["default"] = config == default
-        reason = mosaic_gpu.unsupported_reason(*variants[0], *layer.weights, config=config)
-        if reason:
-          entry["error"] = f"unsupported: {reason}"
-        else:
-          try:
-            fn = jax_contender("pallas", config, interpret=smoke)
-            entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
-          except Exception as error:
-            entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        entry = time_config(layer, variants, config, default, smoke)
         print("tune", entry, flush=True)
         tuning.append(entry)
       save()
+
+
+def time_config(layer, variants, config, default, smoke=False) -> dict:
+  """One sweep entry: ours with ``config`` on ``variants``, or why it could not run."""
+  num_tokens = variants[0][0].shape[0]
+  entry = {"shape": layer.name, "tokens": num_tokens, "config": dataclasses.asdict(config)}
+  entry["default"] = config == default
+  reason = mosaic_gpu.unsupported_reason(*variants[0], *layer.weights, config=config)
+  if reason:
+    entry["error"] = f"unsupported: {reason}"
+    return entry
+  try:
+    fn = jax_contender("pallas", config, interpret=smoke)
+    entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
+  except Exception as error:
+    entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+  return entry
 
 
 def crossover(rng, layer, tuning, save, smoke=False):
@@ -368,14 +375,12 @@ def crossover(rng, layer, tuning, save, smoke=False):
       "prefill": mosaic_gpu.PREFILL_CONFIG,
     }
     variants = fresh_inputs(rng, num_tokens, num_experts, hidden, 1 if smoke else 4)
+    default = mosaic_gpu.default_config(*shapes)
     for label, config in configs.items():
       if smoke:  # the sweep's code path on a few simulated SMs
         config = dataclasses.replace(config, num_sms=4)
-      entry = {"shape": layer.name, "tokens": num_tokens, "config": dataclasses.asdict(config)}
-      entry["default"] = config == mosaic_gpu.default_config(*shapes)
+      entry = time_config(layer, variants, config, default, smoke)
       entry["crossover"] = {"routes_per_expert": per_expert, "choice": label}
-      fn = jax_contender("pallas", config, interpret=smoke)
-      entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
       print("crossover", entry, flush=True)
       tuning.append(entry)
     save()
@@ -603,7 +608,7 @@ def render_markdown(meta, rows, breakdowns, tuning):
   for entry in tuning:
     if "crossover" in entry:
       key = (entry["shape"], entry["tokens"], entry["crossover"]["routes_per_expert"])
-      pairs.setdefault(key, {})[entry["crossover"]["choice"]] = entry["us"]
+      pairs.setdefault(key, {})[entry["crossover"]["choice"]] = entry.get("us")
   if pairs:
     lines += [
       "",

@@ -188,10 +188,11 @@ def default_config(
   (``benchmarks/NOTES_routed_experts.md``; ``benchmarks/bench_moe.py --crossover`` re-times
   both choices).
   """
-  prefill = PREFILL_CONFIG
-  divides = intermediate % prefill.block_n_gate_up == 0 and hidden % prefill.block_n_down == 0
+  divides = (
+    intermediate % PREFILL_CONFIG.block_n_gate_up == 0 and hidden % PREFILL_CONFIG.block_n_down == 0
+  )
   if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts and divides:
-    return prefill
+    return PREFILL_CONFIG
   return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
 
 
