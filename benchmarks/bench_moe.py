@@ -315,6 +315,11 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
       dict(split_m, block_n_down=128),
       dict(split_m, block_n_down=128, num_stages=3),
       dict(split_m, block_n_down=256, num_stages=2),
+      # Down N blocks of 256 staged in column pieces, which leaves room for a deeper ring.
+      dict(split_m, block_n_down=256, num_stages=3, epilogue_n=128),
+      dict(split_m, block_n_down=256, num_stages=3, epilogue_n=64),
+      dict(split_m, block_n_down=256, num_stages=4, epilogue_n=64),
+      dict(split_m, warpgroup_split="n", block_n_down=256, num_stages=3, epilogue_n=64),
       dict(split_m, block_n_down=128, block_k=128, num_stages=2),
       dict(warpgroups=2, block_m=128, block_n_gate_up=128, block_n_down=128),
     ]

@@ -119,6 +119,25 @@ CASES = {
       num_sms=2,
     ),
   ),
+  # Each warpgroup's output tile staged in 64-column pieces: two for gate/up, four for down.
+  "two_warpgroups_epilogue_pieces": (
+    75,
+    2,
+    8,
+    256,
+    128,
+    _skewed_ids,
+    TuningConfig(
+      warpgroups=2,
+      warpgroup_split="m",
+      block_m=128,
+      block_n_gate_up=128,
+      block_n_down=256,
+      num_stages=2,
+      epilogue_n=64,
+      num_sms=2,
+    ),
+  ),
 }
 
 
@@ -229,6 +248,10 @@ def test_tuning_config_is_validated():
     ({"warpgroups": 3}, "warpgroups must be 1 or 2"),
     ({"warpgroups": 2, "warpgroup_split": "m"}, "needs block_m=128"),
     ({"warpgroups": 2, "block_n_down": 64}, "block_n_down to be a multiple of 128"),
+    ({"epilogue_n": 64}, "epilogue_n needs warpgroups=2"),
+    # split "n": each warpgroup has 64 of the 128 columns, which 128 does not divide
+    ({"warpgroups": 2, "block_n_gate_up": 128, "epilogue_n": 128}, "dividing each warpgroup's 64"),
+    ({"warpgroups": 2, "block_n_down": 256, "epilogue_n": 96}, "epilogue_n must be a multiple"),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -243,6 +266,7 @@ def test_tuning_config_is_validated():
     (1279, 160, 5120, 1536, False),  # GLM-4.5, just under 64 routes per expert
     (1280, 160, 5120, 1536, True),
     (8192, 8, 256, 192, False),  # I = 192 is no multiple of the 128-wide N block
+    (8192, 8, 384, 256, True),  # H = 384 is no multiple of 256: down N blocks of 128
   ],
 )
 def test_default_config_takes_128_row_tiles_from_64_routes_per_expert(
@@ -252,6 +276,7 @@ def test_default_config_takes_128_row_tiles_from_64_routes_per_expert(
   assert (config.block_m, config.warpgroups) == ((128, 2) if two_warpgroup_tiles else (64, 1))
   if two_warpgroup_tiles:
     assert config.warpgroup_split == "m"
+    assert config.block_n_down == (256 if hidden % 256 == 0 else 128)
   shapes = [
     jax.ShapeDtypeStruct(shape, dtype)
     for shape, dtype in [
@@ -476,6 +501,11 @@ def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens, skewed):
     TWO_WARPGROUPS_N,
     TWO_WARPGROUPS_M,
     dataclasses.replace(TWO_WARPGROUPS_M, num_stages=3),
+    mosaic_gpu.PREFILL_CONFIG,  # at 300 tokens default_config takes decode tiles
+    # Split by columns, each warpgroup's 128 down columns staged in two pieces.
+    dataclasses.replace(
+      TWO_WARPGROUPS_M, warpgroup_split="n", block_n_down=256, num_stages=3, epilogue_n=64
+    ),
   ],
 )
 def test_tuning_configs_on_gpu_match_xla(config):

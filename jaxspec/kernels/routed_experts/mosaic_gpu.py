@@ -92,6 +92,10 @@ class TuningConfig:
     warpgroup_split: with two consumer warpgroups, how they share a block: "n" (each takes half
       of the N block, which must then be a multiple of 128) or "m" (each takes 64 rows of a
       ``block_m`` = 128 tile).
+    epilogue_n: with two consumer warpgroups, the columns of each warpgroup's output tile that
+      go through shared memory at a time (a multiple of 64 dividing them; ``None``: all at
+      once). Smaller pieces leave shared memory to a deeper ring: a float32 128 x 256 down tile
+      staged whole takes 128 KiB.
     num_sms: SMs the persistent grid covers; ``None`` asks the device.
   """
 
@@ -102,6 +106,7 @@ class TuningConfig:
   num_stages: int = 4
   warpgroups: int = 1
   warpgroup_split: str = "n"
+  epilogue_n: int | None = None
   num_sms: int | None = None
 
   def __post_init__(self):
@@ -129,6 +134,24 @@ class TuningConfig:
             f"TuningConfig.warpgroup_split='n' needs {name} to be a multiple of 128 (64 columns "
             f"per warpgroup at least), got {getattr(self, name)}"
           )
+    if self.epilogue_n is not None:
+      if self.warpgroups != 2:
+        raise ValueError(
+          "TuningConfig.epilogue_n needs warpgroups=2 (the one-warpgroup kernel "
+          "stages its whole tile)"
+        )
+      for name in ("block_n_gate_up", "block_n_down"):
+        columns = self.accumulator_shape(getattr(self, name))[1]
+        if self.epilogue_n % 64 or columns % self.epilogue_n:
+          raise ValueError(
+            f"TuningConfig.epilogue_n must be a multiple of 64 dividing each warpgroup's "
+            f"{columns} columns of {name}, got {self.epilogue_n}"
+          )
+
+  def epilogue_shape(self, block_n: int) -> tuple[int, int]:
+    """The [rows, columns] one warpgroup stages in shared memory at a time."""
+    rows, columns = self.accumulator_shape(block_n)
+    return rows, self.epilogue_n or columns
 
   def accumulator_shape(self, block_n: int) -> tuple[int, int]:
     """The [rows, columns] accumulated by one consumer warpgroup for an N block of ``block_n``."""
@@ -159,9 +182,21 @@ def _pick_block_n(size: int, tiles: int, sms: int, candidates: tuple[int, ...]) 
 
 
 # default_config's choice from PREFILL_ROUTES_PER_EXPERT routes per expert (where I and H are
-# multiples of its N blocks): 128-row tiles split by rows over two consumer warpgroups.
+# multiples of its N blocks): 128-row tiles split by rows over two consumer warpgroups, down N
+# blocks of 256 staged in two 128-column pieces so that a 3-deep ring fits beside them.
 PREFILL_CONFIG = TuningConfig(
-  block_m=128, block_n_gate_up=128, block_n_down=128, warpgroups=2, warpgroup_split="m"
+  block_m=128,
+  block_n_gate_up=128,
+  block_n_down=256,
+  num_stages=3,
+  warpgroups=2,
+  warpgroup_split="m",
+  epilogue_n=128,
+)
+# The same where H is a multiple of 128 but not of 256: down N blocks of 128, staged whole beside
+# a 4-deep ring (the prefill default measured before the 256 one).
+PREFILL_CONFIG_N128 = dataclasses.replace(
+  PREFILL_CONFIG, block_n_down=128, num_stages=4, epilogue_n=None
 )
 
 
@@ -181,18 +216,22 @@ def default_config(
   Prefill sizes: 128-row tiles split over two consumer warpgroups (64 rows each) fed by a
   producer warpgroup. A 64-row tile pulls a whole weight block through L2 for 64 rows, and at
   these sizes that traffic, not the wgmmas, set the pace: at 2048 tokens 2151 -> 1749 us, at
-  8192 6071 -> 4814 us; at 384 tokens (24 routes per expert) 1155 -> 1165 us, no gain. In
+  8192 6071 -> 4814 us; at 384 tokens (24 routes per expert) 1155 -> 1165 us, no gain. The down
+  kernel takes N blocks of 256 (``PREFILL_CONFIG``): twice the wgmma work per lhs block and per
+  pipeline step of the 128 blocks, which left it at 75% of the matmul rate; staging its float32
+  output in 128-column pieces leaves room for a 3-deep ring. Against the 128 blocks (4-deep
+  ring), one process, GLM-4.5-Air / GLM-4.5: 1712 -> 1602 / 2256 -> 2166 us at 2048 tokens,
+  4694 -> 4570 / 6966 -> 6565 us at 8192, 1247 -> 1235 / 2028 -> 1987 us at 1024. In
   between, the one-warpgroup config's time over the prefill config's (H200, both timed in one
   process; GLM-4.5-Air / GLM-4.5) was 0.94 / 0.94 at 48 routes per expert, 0.96 / 0.98 at 56,
   1.11 / 1.17 at 64, 1.25 / 1.29 at 72 and 1.31 / 1.32 at 88: hence the threshold at 64
   (``benchmarks/NOTES_routed_experts.md``; ``benchmarks/bench_moe.py --crossover`` re-times
   both choices).
   """
-  divides = (
-    intermediate % PREFILL_CONFIG.block_n_gate_up == 0 and hidden % PREFILL_CONFIG.block_n_down == 0
-  )
-  if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts and divides:
-    return PREFILL_CONFIG
+  if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts:
+    for config in (PREFILL_CONFIG, PREFILL_CONFIG_N128):
+      if intermediate % config.block_n_gate_up == 0 and hidden % config.block_n_down == 0:
+        return config
   return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
 
 
@@ -213,9 +252,12 @@ def decode_config(
   )
 
 
-def _smem_bytes(block_m, block_n, block_k, num_stages, num_rhs, itemsize, out_itemsize) -> int:
-  ring = num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
-  return ring + block_m * block_n * out_itemsize
+def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize, out_itemsize) -> int:
+  """The ring of ``config.num_stages`` (lhs, rhs...) blocks and the output staging tile(s)."""
+  block_m, block_k = config.block_m, config.block_k
+  ring = config.num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
+  rows, columns = config.epilogue_shape(block_n)
+  return ring + config.warpgroups * rows * columns * out_itemsize
 
 
 def unsupported_reason(
@@ -244,15 +286,7 @@ def unsupported_reason(
         f"the {kernel} kernel's accumulators ({num_rhs} x {rows} x {columns} per warpgroup) "
         f"exceed {MAX_ACC_ELEMENTS} float32 elements (the register budget)"
       )
-    smem = _smem_bytes(
-      config.block_m,
-      block_n,
-      config.block_k,
-      config.num_stages,
-      num_rhs,
-      dtype.itemsize,
-      out_itemsize,
-    )
+    smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize, out_itemsize)
     if smem > SMEM_BYTES:
       return f"the {kernel} kernel needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
   return None
@@ -478,6 +512,7 @@ def _grouped_matmul(
   split_m = config.warpgroup_split == "m"
   wg_rows = block_m // 2 if split_m else block_m
   wg_cols = block_n if split_m else block_n // 2
+  epi_cols = config.epilogue_n or wg_cols
 
   def warp_specialized(num_tiles_ref, table_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
@@ -505,7 +540,7 @@ def _grouped_matmul(
     @functools.partial(
       pl.run_scoped,
       allocations=allocations,
-      out_smem=plgpu.SMEM((2, wg_rows, wg_cols), out_dtype),
+      out_smem=plgpu.SMEM((2, wg_rows, epi_cols), out_dtype),
       collective_axes="wg",
     )
     def _scope(allocations, out_smem):
@@ -524,16 +559,19 @@ def _grouped_matmul(
           def _accumulate(acc_refs):
             eval_pipeline(acc_refs)
             result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's copies
-            out_smem[wg] = result
-            plgpu.commit_smem()
             if split_m:  # this warpgroup's rows of the tile
               own_rows = jnp.clip(rows - wg * wg_rows, 0, wg_rows)
-              first_row, columns = row_start + wg * wg_rows, pl.ds(n_block * block_n, block_n)
+              first_row, first_column = row_start + wg * wg_rows, n_block * block_n
             else:  # this warpgroup's columns
               own_rows, first_row = rows, row_start
-              columns = pl.ds(n_block * block_n + wg * wg_cols, wg_cols)
-            _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
+              first_column = n_block * block_n + wg * wg_cols
+            for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
+              # The previous piece's (or item's) copies must have read the staging tile.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              out_smem[wg] = result[:, piece * epi_cols : (piece + 1) * epi_cols]
+              plgpu.commit_smem()
+              columns = pl.ds(first_column + piece * epi_cols, epi_cols)
+              _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
 
         def body(_, lhs_smem, *rhs_smems_and_accs):
           *rhs_smems, acc_refs = rhs_smems_and_accs
