@@ -226,7 +226,8 @@ def default_config(
   process; GLM-4.5-Air / GLM-4.5) was 0.94 / 0.94 at 48 routes per expert, 0.96 / 0.98 at 56,
   1.11 / 1.17 at 64, 1.25 / 1.29 at 72 and 1.31 / 1.32 at 88: hence the threshold at 64
   (``benchmarks/NOTES_routed_experts.md``; ``benchmarks/bench_moe.py --crossover`` re-times
-  both choices).
+  both choices). Re-timed with the 256-wide down blocks: 0.96 / 0.98 at 48, 1.01 / 1.02 at 56
+  (within the spread between runs), 1.14 / 1.19 at 64.
   """
   if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts:
     for config in (PREFILL_CONFIG, PREFILL_CONFIG_N128):
