@@ -28,11 +28,16 @@ cost nothing), and each item streams its K dimension through a pipeline, a ring 
 ``num_stages`` TMA-filled shared-memory slots feeding wgmma: ``plgpu.emit_pipeline`` in one
 warpgroup, or (``TuningConfig.warpgroups = 2``) ``plgpu.emit_pipeline_warp_specialized`` with a
 producer warpgroup that runs ahead into the next item while two consumer warpgroups finish the
-epilogue. Items are ordered tile-major (the N blocks of one tile are consecutive), so the tiles
-of one expert run at the same time on neighbouring SMs and share each weight block through L2.
-At decode sizes (a few rows per expert) the kernels stream weights, and the N blocks are chosen
-so that the items cover every SM (``default_config``); at prefill sizes they are wgmma bound and
-every M tile is full but the last of each expert.
+epilogue. Each consumer stages its output tile in shared memory for the TMA stores, whole or in
+column pieces (``TuningConfig.epilogue_n``): at prefill sizes the down kernel's float32 128 x 256
+tile in two pieces leaves room for a 3-deep ring. Items are ordered tile-major (the N blocks of
+one tile are consecutive), so the tiles of one expert run at the same time on neighbouring SMs
+and share each weight block through L2 (on the H200 the gate/up kernel read 3.36 GB from DRAM
+for 2.95 GB of weights at 2048 tokens, where half the experts have two tiles). At decode sizes
+(a few rows per expert) the kernels stream weights, and the N blocks are chosen so that the
+items cover every SM (``default_config``); at prefill sizes every M tile is full but the last of
+each expert, and the kernels are held by the L2's throughput (2048 tokens) or the wgmmas (8192;
+``benchmarks/NOTES_routed_experts.md``).
 
 A tile always loads ``block_m`` rows from its first row on, so its rows past the expert's span
 belong to the next expert or to the tail of ``xs``/``act`` (padding, never written by the plan
