@@ -249,6 +249,8 @@ def test_tuning_config_is_validated():
     ({"warpgroups": 2, "warpgroup_split": "m"}, "needs block_m=128"),
     ({"warpgroups": 2, "block_n_down": 64}, "block_n_down to be a multiple of 128"),
     ({"epilogue_n": 64}, "epilogue_n needs warpgroups=2"),
+    ({"warpgroups": 2, "block_n_gate_up": 128, "epilogue_n": 0}, "epilogue_n must be a positive"),
+    ({"warpgroups": 2, "block_n_gate_up": 128, "epilogue_n": -64}, "epilogue_n must be a positive"),
     # split "n": each warpgroup has 64 of the 128 columns, which 128 does not divide
     ({"warpgroups": 2, "block_n_gate_up": 128, "epilogue_n": 128}, "dividing each warpgroup's 64"),
     ({"warpgroups": 2, "block_n_down": 256, "epilogue_n": 96}, "epilogue_n must be a multiple"),

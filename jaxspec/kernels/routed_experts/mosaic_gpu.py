@@ -116,7 +116,7 @@ class TuningConfig:
 
   def __post_init__(self):
     fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "num_stages", "warpgroups")
-    validate_config_fields(self, positive=fields)
+    validate_config_fields(self, positive=fields + ("epilogue_n",))
     if self.block_m not in (64, 128):
       raise ValueError(f"TuningConfig.block_m must be 64 or 128, got {self.block_m}")
     for name in ("block_n_gate_up", "block_n_down", "block_k"):
