@@ -77,6 +77,15 @@ def _skewed_ids(rng, num_tokens, top_k, num_experts):
 # name: (T, k, E, H, I, expert_ids maker or None, config). H and I stay small: interpret mode
 # runs each work item's pipeline step by step.
 SMALL = TuningConfig(block_n_gate_up=64, block_n_down=64, num_sms=4)
+SMALL_SPLIT_M = TuningConfig(
+  warpgroups=2,
+  warpgroup_split="m",
+  block_m=128,
+  block_n_gate_up=64,
+  block_n_down=64,
+  num_stages=2,
+  num_sms=2,
+)
 CASES = {
   "one_token_k8_e8": (1, 8, 8, 128, 128, None, SMALL),
   "all_to_one_expert_k1": (70, 1, 8, 64, 64, lambda rng, t, k, e: np.full((t, k), 3), SMALL),
@@ -102,23 +111,7 @@ CASES = {
     _skewed_ids,
     TuningConfig(warpgroups=2, block_n_gate_up=128, block_n_down=128, num_sms=3),
   ),
-  "two_warpgroups_split_m": (
-    75,
-    2,
-    8,
-    64,
-    128,
-    _skewed_ids,
-    TuningConfig(
-      warpgroups=2,
-      warpgroup_split="m",
-      block_m=128,
-      block_n_gate_up=64,
-      block_n_down=64,
-      num_stages=2,
-      num_sms=2,
-    ),
-  ),
+  "two_warpgroups_split_m": (75, 2, 8, 64, 128, _skewed_ids, SMALL_SPLIT_M),
   # Each warpgroup's output tile staged in 64-column pieces: two for gate/up, four for down.
   "two_warpgroups_epilogue_pieces": (
     75,
@@ -127,16 +120,7 @@ CASES = {
     256,
     128,
     _skewed_ids,
-    TuningConfig(
-      warpgroups=2,
-      warpgroup_split="m",
-      block_m=128,
-      block_n_gate_up=128,
-      block_n_down=256,
-      num_stages=2,
-      epilogue_n=64,
-      num_sms=2,
-    ),
+    dataclasses.replace(SMALL_SPLIT_M, block_n_gate_up=128, block_n_down=256, epilogue_n=64),
   ),
 }
 
