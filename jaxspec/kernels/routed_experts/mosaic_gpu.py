@@ -516,9 +516,8 @@ def _grouped_matmul(
       plgpu.wait_smem_to_gmem(0)
 
   split_m = config.warpgroup_split == "m"
-  wg_rows = block_m // 2 if split_m else block_m
-  wg_cols = block_n if split_m else block_n // 2
-  epi_cols = config.epilogue_n or wg_cols
+  wg_rows, wg_cols = config.accumulator_shape(block_n)  # with two consumer warpgroups
+  epi_cols = config.epilogue_shape(block_n)[1]
 
   def warp_specialized(num_tiles_ref, table_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
