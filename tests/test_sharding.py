@@ -86,9 +86,8 @@ def test_sharded_fixtures_give_the_single_device_logits_and_mtp_logits():
     """
     singles = {}
     for name, tp, ep in [
-      ("glm4_moe_a", 2, 1), ("glm4_moe_a", 2, 4), ("glm4_moe_a", 1, 8), ("glm4_moe_b", 4, 2),
-      ("glm4_moe_c", 4, 1), ("glm_moe_dsa_a", 4, 2), ("glm_moe_dsa_a", 1, 8),
-      ("glm_moe_dsa_b", 2, 4),
+      ("glm4_moe_a", 2, 4), ("glm4_moe_a", 1, 8), ("glm4_moe_b", 4, 2), ("glm4_moe_c", 4, 1),
+      ("glm_moe_dsa_a", 4, 2), ("glm_moe_dsa_b", 2, 4),
     ]:
       ids = jnp.asarray(np.load(FIXTURES + name + "/reference.npz")["input_ids"], jnp.int32)
       if name not in singles:  # each fixture's single-device run serves all its meshes
@@ -101,7 +100,7 @@ def test_sharded_fixtures_give_the_single_device_logits_and_mtp_logits():
       assert_same_outputs(sharded, single_outputs, ids, f"{name} tp={tp} ep={ep}")
     """
   )
-  assert out.count(" ok") == 8, out
+  assert out.count(" ok") == 6, out
 
 
 def test_tp8_on_eight_head_models_of_both_families():

@@ -37,6 +37,7 @@ SMOKE = TrainConfig(
   eval_every=10,
   eval_batch_size=8,
   max_eval_windows=16,
+  demo_new_tokens=32,
   log_every=1,
   max_train_files=40,
   repetition_rows=0,

@@ -59,7 +59,8 @@ def _plain(model, prompts, max_new_tokens, stop=()):
   )
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+# k = 3 (the default) runs in most other tests of speculative decoding; 1 and 5 are the edges.
+@pytest.mark.parametrize("k", [1, 5])
 def test_greedy_speculative_equals_plain_greedy(family_bigram_model, k):
   model = family_bigram_model
   plain = _plain(model, PROMPTS, 24)

@@ -13,7 +13,7 @@ from flax import nnx
 import jaxspec
 import jaxspec.__main__
 from jaxspec.tokenizer import load_tokenizer
-from jaxspec.training import cli, corpus, repetition, trainer
+from jaxspec.training import cli, corpus, demos, repetition, trainer
 
 # A flag that differs from the smoke defaults (and leaves the losses as they were): the run
 # must honour it.
@@ -55,6 +55,12 @@ def test_definition_documents_follow_the_files_in_the_stream(smoke_run):
   # and none opened by one (the tokenizer's document start is for prompts, not the stream).
   np.testing.assert_array_equal(stream, np.concatenate([whole, definitions, definitions]))
   assert (stream == 0).sum() == len(files) + 2 * count
+
+
+def test_demo_continuations_have_a_positive_length():
+  assert trainer.TrainConfig().demo_new_tokens == demos.DEMO_NEW_TOKENS == 96
+  with pytest.raises(ValueError, match="demo_new_tokens must be positive, got 0"):
+    dataclasses.replace(cli.SMOKE, demo_new_tokens=0)
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
@@ -203,17 +209,17 @@ def test_init_from_continues_from_the_checkpoint_and_keep_validation_can_save_it
   )
 
 
-@pytest.mark.parametrize(
-  "draft_options",
-  [["--mtp-labels", "target"], ["--draft-text", "greedy", "--greedy-prefix-tokens", "16"]],
-)
 def test_a_draft_head_phase_changes_the_mtp_layer_and_saves_the_target_bit_for_bit(
-  smoke_run, tmp_path, draft_options
+  smoke_run, tmp_path
 ):
+  # Both draft-head options in one phase (each phase costs about 30 s on a CPU); each label kind
+  # alone: tests/training/test_draft_head_training.py.
   base_dir, base_log = smoke_run
   output_dir = tmp_path / "draft_head"
   argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]
   phase = ["--init-from", str(base_dir), "--steps", "4", "--warmup-steps", "3"]
+  draft_options = ["--mtp-labels", "target", "--draft-text", "greedy"]
+  draft_options += ["--greedy-prefix-tokens", "16"]
   assert cli.main(argv + phase + ["--draft-head-only"] + draft_options) == 0
   base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
   tuned = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
