@@ -14,7 +14,7 @@ Routing follows DeepSeek-V3 (arXiv:2412.19437, section 2.1.2) as GLM-4.5 and tra
 Four implementations of the routed experts compute the same function:
 
 - `pallas`: `jaxspec.kernels.routed_experts` on a Hopper GPU, two Mosaic GPU grouped-expert
-  kernels (gate and up fused with the SwiGLU, then down with the routing weight); every touched
+  kernels (gate and up fused with the SwiGLU, then down) and a weighted combine; every touched
   expert's weights are streamed once, untouched experts are never read, at any token count;
 - `grouped` (XLA): the same op's reference, routes sorted by expert and one grouped GEMM
   (`jax.lax.ragged_dot`) per projection;
@@ -160,6 +160,7 @@ def _per_route(x, weights, expert_ids, gate, up, down, expert_offset=None):
   u = jnp.einsum("nh,nkhi->nki", xw, up, preferred_element_type=jnp.float32)
   act = (jax.nn.silu(g) * u).astype(gate.dtype)
   y = jnp.einsum("nki,nkih->nkh", act, down, preferred_element_type=jnp.float32)
+  y = y.astype(gate.dtype).astype(jnp.float32)  # each route's output rounded, as the op's
   return jnp.einsum("nkh,nk->nh", y, weights).astype(x.dtype)
 
 
@@ -168,7 +169,8 @@ def _dense(x, weights, expert_ids, gate, up, down, expert_offset=None):
 
   Numerics: as the other paths (weights' dtype into the matmuls, float32 accumulation), except
   that the routing weight multiplies the activation in float32 before it is rounded for the
-  down projection, instead of the down projection's output (one rounding of the same product).
+  down projection, instead of the down projection's output, and the routes' down projections
+  are summed in float32 inside one matmul instead of each rounded to the weights' dtype.
   """
   num_experts = gate.shape[0]
   if expert_offset is not None:

@@ -16,9 +16,9 @@ from jaxspec.kernels.routed_experts import mosaic_gpu
 from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig
 
 # bf16 keeps 8 significant bits. The oracle reads the same rounded inputs and rounds the
-# activation to bf16 like every path, so the error is the output's rounding (2^-9 relative),
-# the accumulation order, and, rarely, an activation rounded the other way: 2^-8 of the output
-# scale bounds them.
+# activation and each route's down projection to bf16 like every path, so the error is the
+# output's rounding (2^-9 relative), the accumulation order, and, rarely, an activation or a
+# route's output rounded the other way: 2^-8 of the output scale bounds them.
 RTOL = 2.0**-8
 
 
@@ -43,8 +43,8 @@ def make_inputs(rng, num_tokens, top_k, num_experts, hidden, intermediate, exper
 
 
 def numpy_oracle(x, expert_ids, weights, w_gate, w_up, w_down):
-  """float64, route by route; the activation rounded to the weights' dtype; ids outside [0, E)
-  contribute nothing."""
+  """float64, route by route; the activation and each route's down projection rounded to the
+  weights' dtype; ids outside [0, E) contribute nothing."""
   dtype = np.asarray(w_gate).dtype
   x = np.asarray(x).astype(dtype).astype(np.float64)
   w_gate, w_up, w_down = (np.asarray(w, np.float64) for w in (w_gate, w_up, w_down))
@@ -56,7 +56,7 @@ def numpy_oracle(x, expert_ids, weights, w_gate, w_up, w_down):
       continue
     g, u = x[t] @ w_gate[e], x[t] @ w_up[e]
     act = (g / (1.0 + np.exp(-g)) * u).astype(dtype).astype(np.float64)
-    out[t] += weights[t, j] * (act @ w_down[e])
+    out[t] += weights[t, j] * (act @ w_down[e]).astype(dtype).astype(np.float64)
   return out
 
 

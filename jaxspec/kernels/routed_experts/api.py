@@ -80,9 +80,9 @@ def routed_experts(
 
   ``y[t] = sum_j weights[t, j] * (silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])) @ w_down[e]``
   with ``e = expert_ids[t, j]``: ``x`` cast to the weights' dtype, float32 accumulation, the
-  activation rounded to the weights' dtype before the down projection, the sum over ``j`` in
-  float32, the result in ``x``'s dtype (the model's ``RoutedExperts._grouped``; details in
-  ``reference.py``).
+  activation and each route's down projection rounded to the weights' dtype (as transformers'
+  ``Glm4MoeNaiveMoe`` rounds them), the sum over ``j`` in float32, the result in ``x``'s dtype
+  (the model's ``grouped`` MoE path; details in ``reference.py``).
 
   Contract on device values: every ``expert_ids`` entry lies in ``[0, E)``. A concrete array
   that breaks it raises ``ValueError``; under ``jit`` it is checked only in checked mode

@@ -16,8 +16,8 @@ device-side tile table of tokamax's Mosaic GPU ragged_dot):
 2. Kernel ``gate_up``: one pass over ``w_gate[e]`` and ``w_up[e]`` per (tile, N block of I):
    two wgmma accumulators over the same ``xs`` tile, ``silu(g) * u`` in the epilogue, rounded to
    the weights' dtype, stored as ``act [rows + block_m, I]``.
-3. Kernel ``down``: ``act`` tile @ ``w_down[e]`` per (tile, N block of H), float32 out,
-   ``y [rows, H]``.
+3. Kernel ``down``: ``act`` tile @ ``w_down[e]`` per (tile, N block of H), rounded to the
+   weights' dtype, ``y [rows, H]``.
 4. Combine, in XLA: ``out[t] = sum_j weights[t, j] * y[row of (t, j)]`` in float32; one fused
    gather-and-sum, so the ``[T * k, H]`` intermediate is written once and read once.
 
@@ -29,15 +29,14 @@ cost nothing), and each item streams its K dimension through a pipeline, a ring 
 warpgroup, or (``TuningConfig.warpgroups = 2``) ``plgpu.emit_pipeline_warp_specialized`` with a
 producer warpgroup that runs ahead into the next item while two consumer warpgroups finish the
 epilogue. Each consumer stages its output tile in shared memory for the TMA stores, whole or in
-column pieces (``TuningConfig.epilogue_n``): at prefill sizes the down kernel's float32 128 x 256
-tile in two pieces leaves room for a 3-deep ring. Items are ordered tile-major (the N blocks of
-one tile are consecutive), so the tiles of one expert run at the same time on neighbouring SMs
-and share each weight block through L2 (on the H200 the gate/up kernel read 3.36 GB from DRAM
-for 2.95 GB of weights at 2048 tokens, where half the experts have two tiles). At decode sizes
-(a few rows per expert) the kernels stream weights, and the N blocks are chosen so that the
-items cover every SM (``default_config``); at prefill sizes every M tile is full but the last of
-each expert, and the kernels are held by the L2's throughput (2048 tokens) or the wgmmas (8192;
-``benchmarks/NOTES_routed_experts.md``).
+column pieces (``TuningConfig.epilogue_n``), which leaves room for a deeper ring. Items are
+ordered tile-major (the N blocks of one tile are consecutive), so the tiles of one expert run at
+the same time on neighbouring SMs and share each weight block through L2 (on the H200 the
+gate/up kernel read 3.36 GB from DRAM for 2.95 GB of weights at 2048 tokens, where half the
+experts have two tiles). At decode sizes (a few rows per expert) the kernels stream weights,
+and the N blocks are chosen so that the items cover every SM (``default_config``); at prefill
+sizes every M tile is full but the last of each expert, and the kernels are held by the L2's
+throughput (2048 tokens) or the wgmmas (8192; ``benchmarks/NOTES_routed_experts.md``).
 
 A tile always loads ``block_m`` rows from its first row on, so its rows past the expert's span
 belong to the next expert or to the tail of ``xs``/``act`` (padding, never written by the plan
@@ -46,9 +45,10 @@ tile's own rows, with a ladder of power-of-two TMA stores (as jax's ``ragged_dot
 wgmma output row depends only on its own input row, so whatever the padding rows hold (NaN
 included) stays in discarded rows, and the combine reads only the rows of valid routes.
 
-Numerics: float32 accumulation in both GEMMs; the activation is rounded to the weights' dtype
-before the down projection (as the reference); the combine is float32. ``silu`` uses the fast
-``exp`` (``approx_math``), so an activation can differ from the reference by one rounding step.
+Numerics: float32 accumulation in both GEMMs; the activation and each route's down projection
+are rounded to the weights' dtype (as the reference); the combine is float32. ``silu`` uses the
+fast ``exp`` (``approx_math``), so an activation can differ from the reference by one rounding
+step.
 """
 
 import dataclasses
@@ -99,8 +99,8 @@ class TuningConfig:
       ``block_m`` = 128 tile).
     epilogue_n: with two consumer warpgroups, the columns of each warpgroup's output tile that
       go through shared memory at a time (a multiple of 64 dividing them; ``None``: all at
-      once). Smaller pieces leave shared memory to a deeper ring: a float32 128 x 256 down tile
-      staged whole takes 128 KiB.
+      once). Smaller pieces leave shared memory to a deeper ring: the two 64 x 256 bf16 down tiles
+      of a 128-row tile staged whole take 64 KiB.
     num_sms: SMs the persistent grid covers; ``None`` asks the device.
   """
 
@@ -223,8 +223,8 @@ def default_config(
   these sizes that traffic, not the wgmmas, set the pace: at 2048 tokens 2151 -> 1749 us, at
   8192 6071 -> 4814 us; at 384 tokens (24 routes per expert) 1155 -> 1165 us, no gain. The down
   kernel takes N blocks of 256 (``PREFILL_CONFIG``): twice the wgmma work per lhs block and per
-  pipeline step of the 128 blocks, which left it at 75% of the matmul rate; staging its float32
-  output in 128-column pieces leaves room for a 3-deep ring. Against the 128 blocks (4-deep
+  pipeline step of the 128 blocks, which left it at 75% of the matmul rate; staging its output
+  (then float32) in 128-column pieces left room for a 3-deep ring. Against the 128 blocks (4-deep
   ring), one process, GLM-4.5-Air / GLM-4.5: 1712 -> 1602 / 2256 -> 2166 us at 2048 tokens,
   4694 -> 4570 / 6966 -> 6565 us at 8192, 1247 -> 1235 / 2028 -> 1987 us at 1024. In
   between, the one-warpgroup config's time over the prefill config's (H200, both timed in one
@@ -232,7 +232,10 @@ def default_config(
   1.11 / 1.17 at 64, 1.25 / 1.29 at 72 and 1.31 / 1.32 at 88: hence the threshold at 64
   (``benchmarks/NOTES_routed_experts.md``; ``benchmarks/bench_moe.py --crossover`` re-times
   both choices). Re-timed with the 256-wide down blocks: 0.96 / 0.98 at 48, 1.01 / 1.02 at 56
-  (within the spread between runs), 1.14 / 1.19 at 64.
+  (within the spread between runs), 1.14 / 1.19 at 64. With the down output in bf16 a 4-deep
+  ring fits beside the 128-column pieces too, but it was no faster (one process, GLM-4.5-Air /
+  GLM-4.5, 3 -> 4 stages): 1556 -> 1612 / 2029 -> 2078 us at 2048 tokens, 4391 -> 4255 / 6357
+  -> 6481 us at 8192.
   """
   if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts:
     for config in (PREFILL_CONFIG, PREFILL_CONFIG_N128):
@@ -258,12 +261,13 @@ def decode_config(
   )
 
 
-def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize, out_itemsize) -> int:
-  """The ring of ``config.num_stages`` (lhs, rhs...) blocks and the output staging tile(s)."""
+def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize) -> int:
+  """The ring of ``config.num_stages`` (lhs, rhs...) blocks and the output staging tile(s), all
+  of ``itemsize`` bytes (both kernels store the weights' dtype)."""
   block_m, block_k = config.block_m, config.block_k
   ring = config.num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
   rows, columns = config.epilogue_shape(block_n)
-  return ring + config.warpgroups * rows * columns * out_itemsize
+  return ring + config.warpgroups * rows * columns * itemsize
 
 
 def unsupported_reason(
@@ -282,9 +286,9 @@ def unsupported_reason(
     return f"I={intermediate} must be a multiple of block_n_gate_up={config.block_n_gate_up}"
   if hidden % config.block_n_down:
     return f"H={hidden} must be a multiple of block_n_down={config.block_n_down}"
-  for kernel, block_n, num_rhs, out_itemsize in (
-    ("gate_up", config.block_n_gate_up, 2, dtype.itemsize),
-    ("down", config.block_n_down, 1, 4),
+  for kernel, block_n, num_rhs in (
+    ("gate_up", config.block_n_gate_up, 2),
+    ("down", config.block_n_down, 1),
   ):
     rows, columns = config.accumulator_shape(block_n)
     if num_rhs * rows * columns > MAX_ACC_ELEMENTS:
@@ -292,7 +296,7 @@ def unsupported_reason(
         f"the {kernel} kernel's accumulators ({num_rhs} x {rows} x {columns} per warpgroup) "
         f"exceed {MAX_ACC_ELEMENTS} float32 elements (the register budget)"
       )
-    smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize, out_itemsize)
+    smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize)
     if smem > SMEM_BYTES:
       return f"the {kernel} kernel needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
   return None
@@ -663,11 +667,11 @@ def routed_experts_mosaic_gpu(
     plan.num_tiles,
     plan.table,
     out_rows=rows,
-    out_dtype=jnp.float32,
+    out_dtype=dtype,
     epilogue=lambda down: down,
     block_n=config.block_n_down,
     config=config,
     name="routed_experts_down",
     interpret=interpret,
-  )  # f32 [rows, H]
+  )  # [rows, H]
   return combine_routes(y, plan.position, plan.valid, weights).astype(x.dtype)

@@ -6,18 +6,23 @@ Semantics (shared by every implementation of the op), for token ``t`` and its ro
     g = x[t] @ w_gate[e]            # float32 accumulation
     u = x[t] @ w_up[e]
     a = round(silu(g) * u)          # rounded to the weights' dtype
-    y[t] = sum_j weights[t, j] * (a @ w_down[e])    # float32, then x.dtype
+    d = round(a @ w_down[e])        # float32 accumulation, rounded to the weights' dtype
+    y[t] = sum_j weights[t, j] * d  # float32, then x.dtype
 
 ``x`` is cast to the weights' dtype before the projections. This is the function of the model's
-``RoutedExperts._grouped`` (transformers' ``Glm4MoeNaiveMoe`` in the weights' dtype, with float32
-accumulation). A route whose expert id lies outside ``[0, E)`` contributes nothing: the api
-rejects such ids on concrete arrays, and under ``jit`` every implementation drops them (selected
-away with ``where``, so nothing they touch can reach the output).
+``grouped`` MoE path (transformers' ``Glm4MoeNaiveMoe`` in the weights' dtype, with float32
+accumulation). Each route's down projection is rounded to the weights' dtype before the
+combine, as transformers rounds the expert's ``down_proj`` output (and vLLM's fused MoE its
+intermediate cache, there after the routing weight): a kernel then writes and reads the
+``[T * k, H]`` intermediate at half the bytes of float32; the combine itself stays float32.
+
+A route whose expert id lies outside ``[0, E)`` contributes nothing: the api rejects such ids on
+concrete arrays, and under ``jit`` every implementation drops them (selected away with ``where``,
+so nothing they touch can reach the output).
 
 Algorithm: the routes are sorted by expert (routes to dropped ids last) and each projection is one
 grouped GEMM, ``jax.lax.ragged_dot``, so each touched expert's weights are read once and nothing of
-size ``[T, k, H, I]`` is formed; the largest intermediate is the float32 ``[T * k, H]`` down
-projection.
+size ``[T, k, H, I]`` is formed; the largest intermediate is the ``[T * k, H]`` down projection.
 """
 
 import jax
@@ -40,7 +45,7 @@ def sort_routes(expert_ids: jax.Array, num_experts: int):
 
 
 def combine_routes(
-  y_rows: jax.Array,  # f32 [rows, H], the down projection of each buffer row
+  y_rows: jax.Array,  # [rows, H], the down projection of each buffer row (any float dtype)
   position: jax.Array,  # int32 [T * k], the row of route t * k + j in y_rows
   valid: jax.Array,  # bool [T * k]
   weights: jax.Array,  # f32 [T, k]
@@ -51,7 +56,7 @@ def combine_routes(
   away, not multiplied by 0.
   """
   num_tokens, top_k = weights.shape
-  y = y_rows[position] * weights.reshape(-1, 1)  # [T * k, H], route-major
+  y = y_rows[position].astype(jnp.float32) * weights.reshape(-1, 1)  # [T * k, H], route-major
   y = jnp.where(valid[:, None], y, 0.0)
   return jnp.sum(y.reshape(num_tokens, top_k, -1), axis=1)
 
@@ -74,6 +79,7 @@ def routed_experts_reference(
   g = jax.lax.ragged_dot(xs, w_gate, counts, preferred_element_type=jnp.float32)
   u = jax.lax.ragged_dot(xs, w_up, counts, preferred_element_type=jnp.float32)
   act = (jax.nn.silu(g) * u).astype(w_gate.dtype)  # [T * k, I]
-  y = jax.lax.ragged_dot(act, w_down, counts, preferred_element_type=jnp.float32)  # [T * k, H]
+  y = jax.lax.ragged_dot(act, w_down, counts, preferred_element_type=jnp.float32)
+  y = y.astype(w_gate.dtype)  # [T * k, H]
   position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
   return combine_routes(y, position, valid, weights).astype(x.dtype)
