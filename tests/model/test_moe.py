@@ -59,6 +59,49 @@ def test_the_kernel_path_matches_the_xla_paths_inside_the_model():
   chex.assert_trees_all_close(outputs["dense"], outputs["grouped"], rtol=2e-2, atol=2e-3)
 
 
+def _bf16(a):
+  return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def test_each_route_output_is_rounded_before_the_combine_on_every_path():
+  """Two routes whose down projections nearly cancel: expert 1 is expert 0 with its down
+  projection negated and one column of its up projection doubled, so the float32 sum of the
+  two outputs is one term of a 64-term dot product, about the size of the bf16 rounding error
+  of each output. The routes' outputs rounded to bf16 before the combine (the op's semantics,
+  as transformers rounds each expert's down_proj output) give a different answer than the
+  unrounded sum, and every path must give the rounded one. The gate projection is kept above
+  20, where silu(g) = g in float32, so the fast exp of the kernel cannot move the activation."""
+  rng = np.random.default_rng(0)
+  num_tokens, hidden, inter = 8, 64, 64
+  x = _bf16(rng.uniform(0.5, 1.5, (num_tokens, hidden)))
+  w_gate = _bf16(rng.uniform(0.5, 1.0, (1, hidden, inter))).repeat(2, axis=0)
+  w_up = _bf16(rng.standard_normal((1, hidden, inter)) / 8).repeat(2, axis=0)
+  w_up[1, :, 0] *= 2
+  w_down = _bf16(rng.standard_normal((1, inter, hidden)) / 8)
+  w_down = np.concatenate([w_down, -w_down])
+  expert_ids = np.tile(np.array([[0, 1]], np.int32), (num_tokens, 1))
+  weights = np.ones((num_tokens, 2), np.float32)
+
+  gate = x @ w_gate[0]
+  assert gate.min() > 20  # silu(g) = g in float32
+  act = [_bf16(gate * (x @ w_up[e])) for e in (0, 1)]
+  down = [act[e] @ w_down[e] for e in (0, 1)]
+  want = _bf16(_bf16(down[0]) + _bf16(down[1]))
+  unrounded = _bf16(down[0] + down[1])
+  # The test has teeth: most outputs differ between the two semantics.
+  assert np.mean(want != unrounded) > 0.5
+
+  args = (
+    jnp.asarray(x, jnp.bfloat16),
+    jnp.asarray(weights),
+    jnp.asarray(expert_ids),
+    *(jnp.asarray(w, jnp.bfloat16) for w in (w_gate, w_up, w_down)),
+  )
+  for impl in ("grouped", "per_route", "pallas"):
+    out = _routed_experts(*args, impl=impl, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32), np.float64), want, impl)
+
+
 def test_policy_picks_the_kernel_on_hopper_where_it_serves_the_weights():
   air = glm45_air()
   assert [choose_moe_impl(n, air, hopper=True) for n in (1, 16, 8192)] == ["pallas"] * 3
