@@ -26,7 +26,10 @@
 #   stdlib only vs the archive mix:  5.03 vs 5.01 (no cost from the packages' code at equal tokens)
 #   MTP trained to depth 3 vs 2:     no difference in held-out CE or chain acceptance yet
 # The default keeps vocabulary 2048 (per-token CE comparable with the first model's; 4096 is
-# better per byte but 11% more bits per token, 1024 the reverse) and trains on the archive. The
+# better per byte but 11% more bits per token, 1024 the reverse) and trains on the archive. A
+# full run at 1024 (first and second phase on the H200) drafted 3.01-3.07 tokens per verify step
+# against 2.94, but its tokens are 14% shorter, so 7.4-7.6 bytes per step against 8.4, and its
+# demos looped (benchmarks/results/default_model_8_layers_draft_phases.md, last section). The
 # 4-layer model below had hidden 320 (width paid more than depth); the embedded model is now 8
 # layers of hidden 256 (experts of 64) at the same size, for speed: at batch 1 its k = 3 cycle
 # launches 1.41x a plain step's kernels against 1.85x (bench_default_model_steps.py --shapes).
