@@ -122,6 +122,18 @@ CASES = {
     _skewed_ids,
     dataclasses.replace(SMALL_SPLIT_M, block_n_gate_up=128, block_n_down=256, epilogue_n=64),
   ),
+  # The tile table in parts (10 slots: 3 + 3 + 3 + 1, the last part unused with this routing)
+  # and the down kernel and the combine over four 64-column ranges of H.
+  "memory_parts_4": (75, 2, 8, 256, 128, _skewed_ids, dataclasses.replace(SMALL, memory_parts=4)),
+  "two_warpgroups_memory_parts_2": (
+    75,
+    2,
+    8,
+    256,
+    128,
+    _skewed_ids,
+    dataclasses.replace(SMALL_SPLIT_M, memory_parts=2),
+  ),
 }
 
 
@@ -141,6 +153,21 @@ def test_kernel_interpret_matches_float64_with_nan_padding(name):
     *args, config=config, interpret=True, padding_value=float("nan")
   )
   assert_close(out, numpy_oracle(*args))
+  assert not races_found()
+
+
+@pytest.mark.parametrize("name", ["memory_parts_4", "two_warpgroups_memory_parts_2"])
+def test_memory_parts_give_the_one_pass_result_bit_for_bit(name):
+  # Each tile multiplies the same rows and weights in the same order, and each output column is
+  # the same sum, whether the kernels run once or in parts.
+  args, config = case_inputs(name)
+  outs = [
+    mosaic_gpu.routed_experts_mosaic_gpu(
+      *args, config=dataclasses.replace(config, memory_parts=parts), interpret=True
+    )
+    for parts in (config.memory_parts, 1)
+  ]
+  np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
   assert not races_found()
 
 
@@ -238,6 +265,7 @@ def test_tuning_config_is_validated():
     # split "n": each warpgroup has 64 of the 128 columns, which 128 does not divide
     ({"warpgroups": 2, "block_n_gate_up": 128, "epilogue_n": 128}, "dividing each warpgroup's 64"),
     ({"warpgroups": 2, "block_n_down": 256, "epilogue_n": 96}, "epilogue_n must be a multiple"),
+    ({"memory_parts": 0}, "memory_parts must be a positive int"),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -293,6 +321,9 @@ def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
     routed_experts(*args, impl="pallas", interpret=True, config=too_big)
   # 3 stages of a 64 x 128 token block and two 128 x 128 weight blocks (bf16): a 240 KiB ring,
   # 256 KiB with the output tile.
+  in_parts = TuningConfig(memory_parts=4)  # 4 column ranges of the 128 columns of H
+  with pytest.raises(ValueError, match="multiple of memory_parts \\* block_n_down = 4 \\* 128"):
+    routed_experts(*args, impl="pallas", interpret=True, config=in_parts)
   too_deep = TuningConfig(block_k=128, num_stages=3)
   with pytest.raises(ValueError, match="bytes of shared memory, more than 232448"):
     routed_experts(*args, impl="pallas", interpret=True, config=too_deep)
@@ -366,6 +397,7 @@ TWO_WARPGROUPS_M = TuningConfig(
     ("glm45", 2048, None),
     ("glm45_air", 64, TWO_WARPGROUPS_N),
     ("glm45_air", 2048, TWO_WARPGROUPS_M),
+    ("glm45_air", 8192, dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, memory_parts=4)),
   ],
 )
 def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
@@ -390,7 +422,10 @@ def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
     .trace(*args)
     .lower(lowering_platforms=("cuda",))
   )
-  assert lowered.as_text().count("mosaic_gpu") >= 2  # the gate/up and the down kernels
+  text = lowered.as_text()
+  assert text.count("mosaic_gpu") >= 2  # the gate/up and the down kernels
+  # The gate/up parts after the first store into the first's array, in place.
+  assert text.count("output_operand_alias<") == config.memory_parts - 1
 
 
 # On the H200 --------------------------------------------------------------------------------

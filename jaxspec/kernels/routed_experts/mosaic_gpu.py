@@ -21,6 +21,13 @@ device-side tile table of tokamax's Mosaic GPU ragged_dot):
 4. Combine, in XLA: ``out[t] = sum_j weights[t, j] * y[row of (t, j)]`` in float32; one fused
    gather-and-sum, so the ``[T * k, H]`` intermediate is written once and read once.
 
+``xs`` and ``y`` are ``T * k`` rows of H each (0.54 GB in bf16 at GLM-4.5-Air's shapes and 8192
+tokens) and each is alive beside ``act``. ``TuningConfig.memory_parts`` bounds them: step 2 runs
+over parts of the tile table, each part gathering only its own slice of ``xs`` (rows follow the
+expert order, so a part re-reads only the weights of the expert at its boundary) and storing
+into the same ``act``; steps 3 and 4 run over column ranges of H (each range reads its own
+columns of ``w_down``; every output element is the same sum in the same order).
+
 Both kernels are persistent (the construct of jax's ``ragged_dot_mgpu``/``hopper_matmul_mgpu``):
 one block per SM walks the (tile, N block) work items with ``plgpu.nd_loop`` (item ``i`` on SM
 ``i % num_sms``; the number of items is read from the plan on the device, so unused table slots
@@ -102,6 +109,10 @@ class TuningConfig:
       once). Smaller pieces leave shared memory to a deeper ring: the two 64 x 256 bf16 down tiles
       of a 128-row tile staged whole take 64 KiB.
     num_sms: SMs the persistent grid covers; ``None`` asks the device.
+    memory_parts: bounds the temporaries at prefill sizes (``routed_experts_mosaic_gpu``): the
+      gate/up kernel runs over this many parts of the tile table, each reading its own slice of
+      ``xs``, into one ``act``; the down kernel and the combine run over this many column ranges
+      of H. 1 runs each kernel once over everything.
   """
 
   block_m: int = 64
@@ -113,9 +124,18 @@ class TuningConfig:
   warpgroup_split: str = "n"
   epilogue_n: int | None = None
   num_sms: int | None = None
+  memory_parts: int = 1
 
   def __post_init__(self):
-    fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "num_stages", "warpgroups")
+    fields = (
+      "block_m",
+      "block_n_gate_up",
+      "block_n_down",
+      "block_k",
+      "num_stages",
+      "warpgroups",
+      "memory_parts",
+    )
     validate_config_fields(self, positive=fields + ("epilogue_n",))
     if self.block_m not in (64, 128):
       raise ValueError(f"TuningConfig.block_m must be 64 or 128, got {self.block_m}")
@@ -284,8 +304,11 @@ def unsupported_reason(
       return f"{name}={size} must be a multiple of block_k={config.block_k}"
   if intermediate % config.block_n_gate_up:
     return f"I={intermediate} must be a multiple of block_n_gate_up={config.block_n_gate_up}"
-  if hidden % config.block_n_down:
-    return f"H={hidden} must be a multiple of block_n_down={config.block_n_down}"
+  if hidden % (config.memory_parts * config.block_n_down):
+    return (
+      f"H={hidden} must be a multiple of memory_parts * block_n_down = {config.memory_parts} * "
+      f"{config.block_n_down} (the down kernel's column ranges)"
+    )
   for kernel, block_n, num_rhs in (
     ("gate_up", config.block_n_gate_up, 2),
     ("down", config.block_n_down, 1),
@@ -430,21 +453,26 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
 
 
 def _grouped_matmul(
-  lhs: jax.Array,  # [L, K], sorted rows (L >= every tile's first row + block_m)
+  lhs: jax.Array,  # [L, K], sorted rows from buffer row lhs_row (L >= any tile's end - lhs_row)
   rhs: tuple[jax.Array, ...],  # each [E, K, N]
   num_tiles: jax.Array,  # int32 [1]
   table: jax.Array,  # int32 [3, S], see plan_routes
+  lhs_row: jax.Array,  # int32 [1], the buffer row of lhs[0]
   *,
+  out: jax.Ref | None = None,  # [out_rows, columns], stored into instead of a new array
   out_rows: int,
   out_dtype,
   epilogue: Callable[..., jax.Array],
   block_n: int,
+  columns: tuple[int, int] | None = None,  # (first, count) of rhs's N columns; None: all
   config: TuningConfig,
   name: str,
   interpret: bool,
-) -> jax.Array:  # [out_rows, N], out_dtype; only the tiles' own rows are written
-  """One persistent kernel: for every used tile t and N block n,
-  ``out[rows of t, n] = epilogue(*(lhs[rows of t] @ w[expert of t][:, n] for w in rhs))``.
+) -> jax.Array | None:  # [out_rows, count], out_dtype (None with out); tiles' own rows written
+  """One persistent kernel: for every used tile t and N block n of ``columns``,
+  ``out[rows of t, n] = epilogue(*(lhs[rows of t] @ w[expert of t][:, n] for w in rhs))``, rows
+  counted in buffer rows (``lhs`` holds them from ``lhs_row`` on) and columns from ``columns``'s
+  first.
 
   With ``config.warpgroups == 1`` one warpgroup issues the TMA copies and the wgmmas of a
   ``plgpu.emit_pipeline`` per work item. With 2, a producer warpgroup issues the copies and two
@@ -454,7 +482,8 @@ def _grouped_matmul(
   """
   block_m, block_k = config.block_m, config.block_k
   k_steps = lhs.shape[1] // block_k
-  n_blocks = rhs[0].shape[2] // block_n
+  column_start, num_columns = columns or (0, rhs[0].shape[2])
+  n_blocks, first_n_block = num_columns // block_n, column_start // block_n
   swizzle = plgpu.find_swizzle(block_k * jnp.dtype(lhs.dtype).itemsize * 8)
   swizzle_elems = swizzle // jnp.dtype(lhs.dtype).itemsize
   transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
@@ -471,17 +500,19 @@ def _grouped_matmul(
     )
     rhs_spec = plgpu.BlockSpec(
       (block_k, block_n),
-      lambda k: (k, n_block),
+      lambda k: (k, first_n_block + n_block),
       transforms=transforms,
       delay_release=delay_release,
     )
     return [lhs_spec] + [rhs_spec] * len(rhs)
 
-  def work_item(table_ref, item):
-    """(N block, expert, first buffer row, rows to store) of work item ``item``."""
+  def work_item(table_ref, lhs_row_ref, item):
+    """(N block within ``columns``, expert, first buffer row, its row in ``lhs``, rows to
+    store) of work item ``item``."""
     tile = lax.div(item, n_blocks)
     row_start = pl.multiple_of(table_ref[1, tile], ROW_ALIGN)  # see plan_routes
-    return lax.rem(item, n_blocks), table_ref[0, tile], row_start, table_ref[2, tile]
+    lhs_start = pl.multiple_of(row_start - lhs_row_ref[0], ROW_ALIGN)  # lhs_row: a tile's row
+    return lax.rem(item, n_blocks), table_ref[0, tile], row_start, lhs_start, table_ref[2, tile]
 
   def mma_step(acc_refs, lhs_smem, rhs_smems):
     for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
@@ -490,14 +521,16 @@ def _grouped_matmul(
     # previous step's (one warpgroup; this step's run on) or this step's (with a producer).
     plgpu.wgmma_wait(len(acc_refs) * delay_release)
 
-  def single_warpgroup(num_tiles_ref, table_ref, lhs_ref, *refs):
+  def single_warpgroup(num_tiles_ref, table_ref, lhs_row_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
 
     @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM((block_m, block_n), out_dtype))
     def _scope(out_smem):
       @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
       def _item(loop_info):
-        n_block, expert, row_start, rows = work_item(table_ref, loop_info.index[0])
+        n_block, expert, row_start, lhs_start, rows = work_item(
+          table_ref, lhs_row_ref, loop_info.index[0]
+        )
 
         def accumulate(*acc_refs):
           plgpu.emit_pipeline(
@@ -505,7 +538,7 @@ def _grouped_matmul(
             grid=(k_steps,),
             in_specs=specs(n_block),
             max_concurrent_steps=config.num_stages,
-          )(lhs_ref.at[pl.ds(row_start, block_m)], *(ref.at[expert] for ref in rhs_refs))
+          )(lhs_ref.at[pl.ds(lhs_start, block_m)], *(ref.at[expert] for ref in rhs_refs))
           return tuple(acc_ref[...] for acc_ref in acc_refs)
 
         accs = pl.run_scoped(
@@ -523,7 +556,7 @@ def _grouped_matmul(
   wg_rows, wg_cols = config.accumulator_shape(block_n)  # with two consumer warpgroups
   epi_cols = config.epilogue_shape(block_n)[1]
 
-  def warp_specialized(num_tiles_ref, table_ref, lhs_ref, *refs):
+  def warp_specialized(num_tiles_ref, table_ref, lhs_row_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
 
     def pipeline(body, compute_context, n_block):
@@ -559,7 +592,9 @@ def _grouped_matmul(
 
       @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
       def _item(loop_info):
-        n_block, expert, row_start, rows = work_item(table_ref, loop_info.index[0])
+        n_block, expert, row_start, lhs_start, rows = work_item(
+          table_ref, lhs_row_ref, loop_info.index[0]
+        )
 
         def compute_context(eval_pipeline):
           @functools.partial(
@@ -589,7 +624,7 @@ def _grouped_matmul(
           return acc_refs
 
         pipeline(body, compute_context, n_block)(
-          lhs_ref.at[pl.ds(row_start, block_m)],
+          lhs_ref.at[pl.ds(lhs_start, block_m)],
           *(ref.at[expert] for ref in rhs_refs),
           allocations=allocations,
         )
@@ -597,8 +632,8 @@ def _grouped_matmul(
     plgpu.wait_smem_to_gmem(0)
 
   specialized = config.warpgroups == 2
-  out_type = jax.ShapeDtypeStruct((out_rows, rhs[0].shape[2]), out_dtype)
-  return plgpu.kernel(
+  out_type = () if out is not None else jax.ShapeDtypeStruct((out_rows, num_columns), out_dtype)
+  result = plgpu.kernel(
     warp_specialized if specialized else single_warpgroup,
     out_type=out_type,
     grid=(num_sms(config.num_sms),),
@@ -608,12 +643,93 @@ def _grouped_matmul(
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
     kernel_name=name,
-  )(num_tiles, table, lhs, *rhs)
+  )(num_tiles, table, lhs_row, lhs, *rhs, *(() if out is None else (out,)))
+  return None if out is not None else result
 
 
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   """``silu(g) * u`` in float32 (``silu(g) = g / (1 + exp(-g))``)."""
   return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, interpret, padding):
+  """``act [rows + block_m, I]``: ``silu(xs @ w_gate) * (xs @ w_up)`` for every tile's rows,
+  the tile table run in ``config.memory_parts`` parts, each with its own slice of ``xs``.
+
+  A part's tiles start at most ``block_m`` rows apart (each expert's span is at most its tiles'
+  rows), so its rows lie within ``per_part * block_m`` rows of its first tile's, and within the
+  ``rows + block_m`` of the whole buffer (the tail every tile may read into): ``xs_rows`` bounds
+  both. Rows that belong to no valid route (that tail, the spans' padding) hold ``padding``.
+  The parts after the first store into the first's array, in place (a ``jax.Ref`` operand).
+  """
+  block_m, parts = config.block_m, config.memory_parts
+  slots = plan.table.shape[1]
+  per_part = -(-slots // parts)
+  xs_rows = min(per_part * block_m, rows + block_m)
+  route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((xs_rows,), -1, jnp.int32)])
+  act = None
+  for first in range(0, slots, per_part):
+    # The buffer row of the part's first tile (clamped for a part with no used tile, which runs
+    # no work item).
+    lhs_row = jnp.minimum(plan.table[1, first : first + 1], rows)
+    if act is not None:  # the previous part's kernel first: one slice of xs alive at a time
+      act, lhs_row = lax.optimization_barrier((act, lhs_row))
+    part_routes = lax.dynamic_slice(route_of_row, (lhs_row[0],), (xs_rows,))
+    token_of_row = lax.div(jnp.maximum(part_routes, 0), top_k)
+    xs = jnp.where((part_routes >= 0)[:, None], x.astype(w_gate.dtype)[token_of_row], padding)
+    gate_up = functools.partial(
+      _grouped_matmul,
+      xs,  # [xs_rows, H]
+      (w_gate, w_up),
+      jnp.clip(plan.num_tiles - first, 0, per_part),
+      plan.table[:, first : first + per_part],
+      lhs_row,
+      out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
+      out_dtype=w_gate.dtype,
+      epilogue=_swiglu,
+      block_n=config.block_n_gate_up,
+      config=config,
+      name="routed_experts_gate_up",
+      interpret=interpret,
+    )
+    if act is None:
+      act = gate_up()
+    else:
+      act_ref = jax.new_ref(act)
+      gate_up(out=act_ref)
+      act = act_ref[...]
+  return act
+
+
+def _down_and_combine_in_ranges(
+  act, plan: RoutePlan, weights, w_down, *, out_dtype, rows, config, interpret
+):
+  """``out [T, H]``: each route's ``act @ w_down`` (``y``, rounded to the weights' dtype) summed
+  in float32 over the token's routes, then rounded to ``out_dtype``; in ``config.memory_parts``
+  column ranges of H, so that one range of ``y [rows, H / parts]`` is alive at a time."""
+  hidden = w_down.shape[2]
+  width = hidden // config.memory_parts
+  combined = []
+  for first_column in range(0, hidden, width):
+    if combined:  # the previous range's combine first
+      act, _ = lax.optimization_barrier((act, combined[-1]))
+    y = _grouped_matmul(
+      act,
+      (w_down,),
+      plan.num_tiles,
+      plan.table,
+      jnp.zeros(1, jnp.int32),
+      out_rows=rows,
+      out_dtype=w_down.dtype,
+      epilogue=lambda down: down,
+      block_n=config.block_n_down,
+      columns=(first_column, width),
+      config=config,
+      name="routed_experts_down",
+      interpret=interpret,
+    )  # [rows, width]
+    combined.append(combine_routes(y, plan.position, plan.valid, weights).astype(out_dtype))
+  return combined[0] if len(combined) == 1 else jnp.concatenate(combined, axis=1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "padding_value"))
@@ -631,47 +747,22 @@ def routed_experts_mosaic_gpu(
 ) -> jax.Array:  # [T, H], x.dtype
   """Plan, gate/up kernel, down kernel, combine (module docstring; inputs checked by the api).
 
+  With ``config.memory_parts`` > 1 the gate/up kernel runs over parts of the tile table and the
+  down kernel and the combine over column ranges of H, one after the other, to bound the
+  temporaries; every output element is the same sum as in one pass.
+
   ``padding_value`` fills the rows of ``xs`` that belong to no valid route (the tail read by
   the last tiles, and the rows of dropped routes); tests set it to NaN to show that such rows
   never reach the output.
   """
   num_tokens, top_k = expert_ids.shape
-  num_experts, hidden, _ = w_gate.shape
-  num_routes = num_tokens * top_k
-  block_m = config.block_m
-  dtype = w_gate.dtype
-
-  rows = route_rows(num_routes, num_experts)
-  plan = plan_routes(expert_ids, num_experts, block_m, rows)
-  # xs [rows + block_m, H]: x in buffer-row order. The block_m rows of tail keep every tile's
-  # rows inside the buffer; they and the spans' padding rows hold padding_value.
-  route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((block_m,), -1, jnp.int32)])
-  token_of_row = lax.div(jnp.maximum(route_of_row, 0), top_k)
-  xs = jnp.where((route_of_row >= 0)[:, None], x.astype(dtype)[token_of_row], padding_value)
-  act = _grouped_matmul(
-    xs,
-    (w_gate, w_up),
-    plan.num_tiles,
-    plan.table,
-    out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
-    out_dtype=dtype,
-    epilogue=_swiglu,
-    block_n=config.block_n_gate_up,
-    config=config,
-    name="routed_experts_gate_up",
-    interpret=interpret,
+  num_experts = w_gate.shape[0]
+  rows = route_rows(num_tokens * top_k, num_experts)
+  plan = plan_routes(expert_ids, num_experts, config.block_m, rows)
+  common = dict(rows=rows, config=config, interpret=interpret)
+  act = _gate_up_in_parts(
+    x, plan, w_gate, w_up, top_k=top_k, padding=padding_value, **common
   )  # [rows + block_m, I]
-  y = _grouped_matmul(
-    act,
-    (w_down,),
-    plan.num_tiles,
-    plan.table,
-    out_rows=rows,
-    out_dtype=dtype,
-    epilogue=lambda down: down,
-    block_n=config.block_n_down,
-    config=config,
-    name="routed_experts_down",
-    interpret=interpret,
-  )  # [rows, H]
-  return combine_routes(y, plan.position, plan.valid, weights).astype(x.dtype)
+  return _down_and_combine_in_ranges(
+    act, plan, weights, w_down, out_dtype=x.dtype, **common
+  )  # [T, H]
