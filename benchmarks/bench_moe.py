@@ -323,6 +323,8 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
       dict(split_m, block_n_down=128, block_k=128, num_stages=2),
       dict(warpgroups=2, block_m=128, block_n_gate_up=128, block_n_down=128),
     ]
+    # The prefill default in parts, for its peak memory (time_config records it).
+    grid += [dict(dataclasses.asdict(mosaic_gpu.PREFILL_CONFIG), memory_parts=p) for p in (2, 4)]
   return [TuningConfig(**changes) for changes in grid]
 
 
@@ -361,6 +363,8 @@ def time_config(layer, variants, config, default, smoke=False) -> dict:
   try:
     fn = jax_contender("pallas", config, interpret=smoke)
     entry["us"] = timed(fn, variants, layer, 1 if smoke else 10, 0 if smoke else 2) * 1e6
+    if entry["default"] or config.memory_parts > 1:
+      entry["peak_bytes"] = peak_memory(fn, variants[0], layer)
   except Exception as error:
     entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
   return entry
@@ -636,14 +640,16 @@ def render_markdown(meta, rows, breakdowns, tuning):
       "",
       "## Tuning sweep (ours)",
       "",
-      "| shape | tokens | config | us |",
-      "| --- | --- | --- | --- |",
+      "| shape | tokens | config | us | peak memory (temporaries) |",
+      "| --- | --- | --- | --- | --- |",
     ]
     for entry in sorted(tuning, key=lambda e: e["tokens"]):  # stable: run order within a count
       config = ", ".join(f"{k}={v}" for k, v in entry["config"].items() if k != "num_sms")
       mark = " (default)" if entry.get("default") else ""
       result = f"{entry['us']:.0f}" if "us" in entry else "fails"
-      lines.append(f"| {entry['shape']} | {entry['tokens']} | {config}{mark} | {result} |")
+      peak = entry.get("peak_bytes")
+      peak = f"{peak['total'] / 1e9:.2f} GB ({peak['temp'] / 1e9:.2f})" if peak else ""
+      lines.append(f"| {entry['shape']} | {entry['tokens']} | {config}{mark} | {result} | {peak} |")
   return "\n".join(lines) + "\n"
 
 
