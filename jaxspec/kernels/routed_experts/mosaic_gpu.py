@@ -669,19 +669,22 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
   route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((xs_rows,), -1, jnp.int32)])
   act = None
   for first in range(0, slots, per_part):
-    # The buffer row of the part's first tile (clamped for a part with no used tile, which runs
-    # no work item).
-    lhs_row = jnp.minimum(plan.table[1, first : first + 1], rows)
-    if act is not None:  # the previous part's kernel first: one slice of xs alive at a time
-      act, lhs_row = lax.optimization_barrier((act, lhs_row))
-    part_routes = lax.dynamic_slice(route_of_row, (lhs_row[0],), (xs_rows,))
+    if parts == 1:  # the whole table from row 0: no operation added to the one-pass program
+      lhs_row, num_part_tiles = jnp.zeros(1, jnp.int32), plan.num_tiles
+      part_routes = route_of_row[:xs_rows]
+    else:  # from the buffer row of the part's first tile (clamped for a part with no used tile)
+      lhs_row = jnp.minimum(plan.table[1, first : first + 1], rows)
+      num_part_tiles = jnp.clip(plan.num_tiles - first, 0, per_part)
+      if act is not None:  # the previous part's kernel first: one slice of xs alive at a time
+        act, lhs_row = lax.optimization_barrier((act, lhs_row))
+      part_routes = lax.dynamic_slice(route_of_row, (lhs_row[0],), (xs_rows,))
     token_of_row = lax.div(jnp.maximum(part_routes, 0), top_k)
     xs = jnp.where((part_routes >= 0)[:, None], x.astype(w_gate.dtype)[token_of_row], padding)
     gate_up = functools.partial(
       _grouped_matmul,
       xs,  # [xs_rows, H]
       (w_gate, w_up),
-      jnp.clip(plan.num_tiles - first, 0, per_part),
+      num_part_tiles,
       plan.table[:, first : first + per_part],
       lhs_row,
       out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
