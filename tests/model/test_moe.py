@@ -119,7 +119,7 @@ def test_policy_follows_the_h200_crossover_for_glm45_air():
     "grouped",
     "grouped",
   ]
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="num_tokens must be positive, got 0"):
     choose_moe_impl(0, air)
 
 

@@ -218,8 +218,8 @@ def test_fp8_cache_stores_each_key_and_value_to_e4m3_precision(kv_scale):
 
 
 def test_fp8_cache_serves_generation():
-  """An engine with fp8 KV pages decodes the same prompt end to end; its first greedy tokens
-  agree with the 16-bit cache's (later ones may drift with e4m3 rounding)."""
+  """An engine with fp8 KV pages decodes the same prompt end to end; its first greedy token
+  agrees with the 16-bit cache's (later ones may drift with e4m3 rounding)."""
   model = jaxspec.load_pretrained(FIXTURES / "glm4_moe_a", dtype=jnp.float32)
   prompt = np.load(FIXTURES / "glm4_moe_a" / "reference.npz")["prompt_ids"][0].tolist()
   outputs = {}

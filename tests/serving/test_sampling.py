@@ -42,9 +42,16 @@ def test_samples_follow_the_filtered_distribution():
   np.testing.assert_allclose(freq, np.array([0.5, 0.2, 0.15]) / 0.85, atol=0.018)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0)])
-def test_bad_params_are_rejected(bad):
-  with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+  ("bad", "message"),
+  [
+    (dict(temperature=-1.0), "temperature must be"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+    (dict(top_p=0.0), "top_p must be in"),
+  ],
+)
+def test_bad_params_are_rejected(bad, message):
+  with pytest.raises(ValueError, match=message):
     SamplingParams(**bad)
 
 
