@@ -667,6 +667,7 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
   per_part = -(-slots // parts)
   xs_rows = min(per_part * block_m, rows + block_m)
   route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((xs_rows,), -1, jnp.int32)])
+  x = x.astype(w_gate.dtype)  # once for all parts
   act = None
   for first in range(0, slots, per_part):
     if parts == 1:  # the whole table from row 0: no operation added to the one-pass program
@@ -679,7 +680,7 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
         act, lhs_row = lax.optimization_barrier((act, lhs_row))
       part_routes = lax.dynamic_slice(route_of_row, (lhs_row[0],), (xs_rows,))
     token_of_row = lax.div(jnp.maximum(part_routes, 0), top_k)
-    xs = jnp.where((part_routes >= 0)[:, None], x.astype(w_gate.dtype)[token_of_row], padding)
+    xs = jnp.where((part_routes >= 0)[:, None], x[token_of_row], padding)
     gate_up = functools.partial(
       _grouped_matmul,
       xs,  # [xs_rows, H]
