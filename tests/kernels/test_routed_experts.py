@@ -305,6 +305,26 @@ def test_default_config_takes_128_row_tiles_from_64_routes_per_expert(
   assert mosaic_gpu.unsupported_reason(*shapes, config=config) is None
 
 
+@pytest.mark.parametrize(
+  ("num_tokens", "num_experts", "hidden", "intermediate", "parts"),
+  [
+    (2048, 128, 4096, 1408, 1),  # 16384 routes: one part
+    (2049, 128, 4096, 1408, 2),
+    (8192, 128, 4096, 1408, 4),  # GLM-4.5-Air: 4 parts of 16384 routes
+    (8192, 160, 5120, 1536, 4),  # GLM-4.5: 20 down blocks of 256 in 4 ranges
+    (6144, 160, 5120, 1536, 4),  # 3 parts would not divide the 20 down blocks
+    (8192, 8, 384, 256, 3),  # 3 down blocks of 128: 3 parts, not 4
+    (65536, 8, 384, 256, 3),  # never more parts than down blocks
+  ],
+)
+def test_default_config_bounds_routes_per_memory_part(
+  num_tokens, num_experts, hidden, intermediate, parts
+):
+  config = mosaic_gpu.default_config(num_tokens, 8, num_experts, hidden, intermediate)
+  assert config.memory_parts == parts
+  assert hidden % (parts * config.block_n_down) == 0
+
+
 def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
   x, ids, weights, w_gate, w_up, w_down = make_inputs(np.random.default_rng(3), 2, 2, 8, 64, 96)
   # I = 96 is no multiple of the 64-wide blocks.
@@ -397,7 +417,7 @@ TWO_WARPGROUPS_M = TuningConfig(
     ("glm45", 2048, None),
     ("glm45_air", 64, TWO_WARPGROUPS_N),
     ("glm45_air", 2048, TWO_WARPGROUPS_M),
-    ("glm45_air", 8192, dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, memory_parts=4)),
+    ("glm45_air", 8192, None),  # in 4 memory parts
   ],
 )
 def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):

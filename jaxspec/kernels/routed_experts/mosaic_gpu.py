@@ -85,6 +85,12 @@ PREFILL_ROUTES_PER_EXPERT = 64
 # Routes up to which plan_routes compares all pairs instead of sorting (128 tokens at top-8:
 # decode batches and short verify steps): its [rows, T * k] comparison grows quadratically.
 COMPARE_PLAN_MAX_ROUTES = 1024
+# Routes per memory part from which default_config splits the layer (TuningConfig.memory_parts):
+# the routed-row buffers (xs, y) then hold at most this many rows of H at a time. On the H200 at
+# GLM-4.5-Air's shapes and 8192 tokens (65536 routes) 1 / 2 / 4 parts took 4386 / 4544 / 4741
+# us with a peak of 5.30 / 5.09 / 4.94 GB; at 2048 tokens (16384 routes, one part) 2 parts cost
+# 10% and saved no memory (4.65 GB either way).
+MAX_ROUTES_PER_PART = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,12 +262,28 @@ def default_config(
   ring fits beside the 128-column pieces too, but it was no faster (one process, GLM-4.5-Air /
   GLM-4.5, 3 -> 4 stages): 1556 -> 1612 / 2029 -> 2078 us at 2048 tokens, 4391 -> 4255 / 6357
   -> 6481 us at 8192.
+
+  From ``MAX_ROUTES_PER_PART`` routes on, the prefill configs run in ``memory_parts`` (so the
+  routed-row buffers stay under that many rows of H at any chunk size): at GLM-4.5-Air's shapes
+  and 8192 tokens 4 parts cost 8% of the time and keep the layer's peak under 4 x its
+  activations plus its weights (5.30 -> 4.94 GB; ``memory_parts=1`` buys the time back).
   """
   if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts:
     for config in (PREFILL_CONFIG, PREFILL_CONFIG_N128):
       if intermediate % config.block_n_gate_up == 0 and hidden % config.block_n_down == 0:
-        return config
+        parts = memory_parts(num_tokens * top_k, hidden // config.block_n_down)
+        return dataclasses.replace(config, memory_parts=parts)
   return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
+
+
+def memory_parts(num_routes: int, down_blocks: int) -> int:
+  """``default_config``'s ``memory_parts``: the fewest parts of at most ``MAX_ROUTES_PER_PART``
+  routes each, raised to a divisor of the down kernel's ``down_blocks`` N blocks (each column
+  range of H takes whole blocks)."""
+  parts = min(-(-num_routes // MAX_ROUTES_PER_PART), down_blocks)
+  while down_blocks % parts:
+    parts += 1
+  return parts
 
 
 def decode_config(
