@@ -533,6 +533,8 @@ def glm_inputs(shape, num_tokens, skewed=False):
     ("glm45", 1, False),
     ("glm45", 64, False),
     ("glm45", 2048, True),
+    ("glm45_air", 8192, False),  # default_config: 4 memory parts
+    ("glm45", 8192, False),
   ],
 )
 def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens, skewed):
@@ -543,6 +545,18 @@ def test_kernel_on_gpu_matches_xla_at_glm_shapes(shape, num_tokens, skewed):
   assert np.isfinite(np.asarray(out, np.float32)).all()
   # Both round the same float32 sums to bf16 (activation and output): rms of 2^-8 is generous.
   assert _relative_rms(out, want) < RTOL
+
+
+@pytest.mark.gpu
+def test_memory_parts_on_gpu_give_the_one_pass_result_bit_for_bit():
+  args = glm_inputs("glm45_air", 8192)
+  config = mosaic_gpu.default_config(8192, 8, *GLM_SHAPES["glm45_air"])
+  assert config.memory_parts == 4
+  in_parts = routed_experts(*args, impl="pallas", config=config)
+  one_pass = routed_experts(
+    *args, impl="pallas", config=dataclasses.replace(config, memory_parts=1)
+  )
+  np.testing.assert_array_equal(np.asarray(in_parts, np.float32), np.asarray(one_pass, np.float32))
 
 
 @pytest.mark.gpu
