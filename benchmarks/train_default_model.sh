@@ -16,6 +16,10 @@
 # config.json, generation_config.json, model.safetensors (bf16), tokenizer.json,
 # training_log.json and loss.png into OUTPUT_DIR (a directory beside it holds them until the end;
 # a non-empty OUTPUT_DIR is refused unless --overwrite is passed) and prints a summary table.
+# A phase longer than one command may run: add `--pause-after-s S` (each call stops after S
+# seconds of training and keeps its state in OUTPUT_DIR.resume) and run the same command again
+# with `--resume` added until it writes OUTPUT_DIR; TIME_BUDGET_S then counts the first call's
+# set-up and all calls' training.
 #
 # Shape of the model, from a sweep at reduced scale on a CPU (scripts/sweep_default_model.py:
 # hidden 128, 4 layers, 8 x 128-token windows, the same 1.3 MB of training text for every run,

@@ -14,7 +14,7 @@ from pathlib import Path
 import tokenizers
 
 from jaxspec import argtypes
-from jaxspec.training import staging
+from jaxspec.training import resume, staging
 from jaxspec.training.trainer import (
   DRAFT_TEXTS,
   KEEP_CHOICES,
@@ -168,6 +168,19 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     help="a tiny model on 40 files for 30 steps (runs on a CPU in seconds); other options "
     "given override the smoke settings",
   )
+  parser.add_argument(
+    "--pause-after-s",
+    type=argtypes.float_in(0.0, low_open=True),
+    help="stop after this many seconds of training, at a step boundary, and save the run's "
+    "state beside --output-dir (OUTPUT_DIR.resume) for --resume; for runs longer than one "
+    "process may last",
+  )
+  parser.add_argument(
+    "--resume",
+    action="store_true",
+    help="continue the paused run of --output-dir (the same options as the call that paused "
+    "it; --time-budget-s counts the first call's set-up and the training of all calls)",
+  )
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   return parser
 
@@ -201,6 +214,17 @@ def _check_inputs(args, config: TrainConfig) -> None:
       parser.error(f"--tokenizer {args.tokenizer}: {error}")
     if args.vocab_size is not None and args.vocab_size != vocab:
       parser.error(f"--vocab-size {args.vocab_size} differs from --tokenizer's {vocab} tokens")
+  if args.resume:
+    try:
+      resume.check(args.output_dir, dataclasses.asdict(config))
+    except (FileNotFoundError, ValueError) as error:
+      parser.error(f"--resume: {error}")
+    return  # the paused run brings its tokenizer and parameters
+  if resume.resume_dir(args.output_dir).exists():
+    parser.error(
+      f"--output-dir: {resume.resume_dir(args.output_dir)} holds a paused run: continue it with "
+      "--resume (and the options that started it) or remove it"
+    )
   if args.greedy_prefix_tokens is not None and config.draft_text != "greedy":
     parser.error(
       "--greedy-prefix-tokens sets the prefix of --draft-text greedy: add that or leave it out"
@@ -226,7 +250,16 @@ def run_train(args) -> int:
     corpus_source=args.corpus,
     tokenizer_path=args.tokenizer,
     progress=not args.no_progress,
+    pause_after_s=args.pause_after_s,
+    resume=args.resume,
   )
+  if "paused" in log:
+    paused = log["paused"]
+    print(
+      f"paused after step {paused['next_step']} of {paused['total_steps']}; state in "
+      f"{paused['state']}: run the same command with --resume to continue"
+    )
+    return 0
   final, timing = log["final"], log["timing"]
   k = config.eval_draft_depth
   rows = [

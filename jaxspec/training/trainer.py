@@ -53,6 +53,7 @@ from jaxspec.model.transformer import GlmForCausalLM
 from jaxspec.model.weights import load_pretrained, save_pretrained
 from jaxspec.tokenizer import HfTokenizer
 from jaxspec.training import bpe, corpus, decoding, repetition, staging, unlikelihood
+from jaxspec.training import resume as resume_state
 from jaxspec.training.demos import (
   DEMO_NEW_TOKENS,
   DEMO_PROMPTS,
@@ -847,6 +848,8 @@ def train(
   corpus_source: str | Path | None = None,
   tokenizer_path: str | Path | None = None,
   progress: bool = True,
+  pause_after_s: float | None = None,
+  resume: bool = False,
 ) -> dict[str, Any]:
   """Trains the tokenizer (unless one is given), the model and its MTP head; writes the checkpoint.
 
@@ -858,22 +861,43 @@ def train(
   directory beside `output_dir` and swaps it in at the end (`staging.staged_directory`): a
   non-empty `output_dir` is a `FileExistsError` unless `overwrite`, and an interrupted run leaves
   `output_dir` as it was. Returns the log.
+
+  A run can span several processes: with `pause_after_s` it stops once that many seconds of
+  training have passed in this call (at a step boundary, and not before a time budget's
+  calibration), writes its state to `<output_dir>.resume` and returns the log so far
+  with a `paused` entry instead of `final`; the same call with `resume=True` continues it there,
+  on the same batches and learning rates as an uninterrupted run (`jaxspec.training.resume`).
+  `time_budget_s` then counts the first call's set-up and the training of all calls (the total
+  step count is fixed in the first). The tokenizer is the first call's; `tokenizer_path` and
+  `init_from` are not read again.
   """
   import tokenizers
 
   staging.check_output_dir(output_dir, overwrite)  # before any work
   if config.init_from is not None and tokenizer_path is not None:
     raise ValueError("pass init_from or tokenizer_path, not both: init_from brings its tokenizer")
+  if pause_after_s is not None and not pause_after_s > 0:
+    raise ValueError(f"pause_after_s must be positive, got {pause_after_s}")
+  paused_run = None
+  if resume:  # read before any other work: a missing or foreign state fails fast
+    paused_run = resume_state.load(output_dir, dataclasses.asdict(config))
+  elif resume_state.resume_dir(output_dir).exists():
+    raise FileExistsError(
+      f"{resume_state.resume_dir(output_dir)} holds a paused run of this output directory: "
+      "resume it (--resume, resume=True) or remove it"
+    )
   wall_start = time.perf_counter()
   initial_model = None
-  if config.init_from is not None:
+  if paused_run is not None:
+    tokenizer = paused_run.tokenizer
+  elif config.init_from is not None:
     tokenizer = check_initial_checkpoint(config)
     initial_model = load_pretrained(config.init_from, dtype=jnp.float32)
   source = Path(corpus_source) if corpus_source is not None else None
   train_files, held_out_files = corpus.split_corpus(source, max_files=config.max_train_files)
-  if initial_model is None and tokenizer_path is None:
+  if paused_run is None and initial_model is None and tokenizer_path is None:
     tokenizer = bpe.train_bpe((f.text for f in train_files), config.vocab_size)
-  elif initial_model is None:
+  elif paused_run is None and initial_model is None:
     tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
   train_stream, file_tokens, definitions = training_stream(
     tokenizer, train_files, config.definition_documents
@@ -886,6 +910,14 @@ def train(
   model_config = MODEL_PRESETS[config.model_preset](tokenizer.get_vocab_size())
   malformed = unlikelihood.malformed_tokens(HfTokenizer(tokenizer).token_bytes())
   trainer = Trainer(model_config, config, initial_model, malformed)
+  kept = None  # with keep="validation": (the best evaluation so far, a copy of its parameters)
+  if paused_run is not None:
+    kept_like = trainer.params if config.keep == "validation" else None
+    trainer.params, trainer.opt_state, kept_params = resume_state.restore(
+      paused_run.arrays, (trainer.params, trainer.opt_state, kept_like)
+    )
+    if kept_params is not None:
+      kept = paused_run.kept_metrics, kept_params
   stream = jax.device_put(jnp.asarray(train_stream))
   data_s = time.perf_counter() - wall_start
 
@@ -930,7 +962,14 @@ def train(
       metrics["validation_demo_parse_rate"] = report["parse_rate"]
     return metrics
 
-  kept = None  # with keep="validation": (the best evaluation so far, a copy of its parameters)
+  if paused_run is not None:
+    # Training must go on over the same token stream: another corpus would change the batches.
+    if json.loads(json.dumps(log["corpus"])) != paused_run.log["corpus"]:
+      raise ValueError(
+        "the corpus differs from the paused run's (pass the --corpus, corpus_source, it started "
+        "with)"
+      )
+    log = paused_run.log
 
   def run_eval(step):
     nonlocal kept
@@ -953,22 +992,34 @@ def train(
     tqdm.write(f"{line}; {time.perf_counter() - wall_start:.0f} s")
     return metrics
 
-  run_eval(0)
-  eval_start = time.perf_counter()  # a second evaluation, without its compile, times one
-  evaluation()
-  eval_s = time.perf_counter() - eval_start
-  total_steps = config.steps
+  if paused_run is None:
+    run_eval(0)
+    eval_start = time.perf_counter()  # a second evaluation, without its compile, times one
+    evaluation()
+    eval_s = time.perf_counter() - eval_start
+    first_step, total_steps, train_s_before = 0, config.steps, 0.0
+  else:
+    eval_s, train_s_before = paused_run.eval_s, paused_run.train_s
+    first_step, total_steps = paused_run.next_step, paused_run.total_steps
   key = jax.random.key(config.seed)
   # The step time is measured within the warm-up, whose learning rates do not depend on the total
   # (the cosine's do); step 0 compiles, so the measurement starts later.
   calibrate_to = min(config.warmup_steps, 35)
   calibrate_from = 5 if calibrate_to >= 15 else 1
-  bar = tqdm(range(config.steps), desc="train", unit="step", disable=not progress)
+  calibrated = config.time_budget_s is None or paused_run is not None
+  bar = tqdm(
+    range(first_step, config.steps),
+    desc="train",
+    unit="step",
+    initial=first_step,
+    total=total_steps,
+    disable=not progress,
+  )
   train_start = time.perf_counter()
   for step in bar:
     if step >= total_steps:
       break
-    if config.time_budget_s is not None and step in (calibrate_from, calibrate_to):
+    if not calibrated and step in (calibrate_from, calibrate_to):
       jax.block_until_ready(trainer.params)
       if step == calibrate_from:
         calibrate_start = time.perf_counter()
@@ -976,7 +1027,7 @@ def train(
         per_step = (time.perf_counter() - calibrate_start) / (calibrate_to - calibrate_from)
         elapsed = time.perf_counter() - wall_start
         total_steps = steps_within_budget(config, step, elapsed, per_step, eval_s)
-        bar.total = total_steps
+        bar.total, calibrated = total_steps, True
         tqdm.write(
           f"time budget: {per_step * 1e3:.1f} ms per step, {eval_s:.1f} s per evaluation, "
           f"{elapsed:.0f} s spent: {total_steps} steps"
@@ -990,9 +1041,33 @@ def train(
       bar.set_postfix(loss=f"{record['loss']:.3f}", mtp=f"{record['mtp_loss']:.3f}")
     if (step + 1) % config.eval_every == 0 and step + 1 < total_steps:
       run_eval(step + 1)
+    if (
+      pause_after_s is not None
+      and calibrated
+      and step + 1 < total_steps
+      and time.perf_counter() - train_start >= pause_after_s
+    ):
+      bar.close()
+      jax.block_until_ready(trainer.params)
+      paused = resume_state.PausedRun(
+        config=dataclasses.asdict(config),
+        tokenizer=tokenizer,
+        arrays=(trainer.params, trainer.opt_state, None if kept is None else kept[1]),
+        next_step=step + 1,
+        total_steps=total_steps,
+        eval_s=eval_s,
+        train_s=train_s_before + time.perf_counter() - train_start,
+        log=log,
+        kept_metrics=None if kept is None else kept[0],
+      )
+      path = resume_state.save(output_dir, paused)
+      tqdm.write(f"paused after step {step + 1} of {total_steps}; state in {path}")
+      return log | {
+        "paused": {"next_step": step + 1, "total_steps": total_steps, "state": str(path)}
+      }
   bar.close()
   jax.block_until_ready(trainer.params)
-  train_s = time.perf_counter() - train_start
+  train_s = train_s_before + time.perf_counter() - train_start
   final = run_eval(total_steps)
 
   model = trainer.model()
@@ -1039,4 +1114,5 @@ def train(
     with open(directory / "training_log.json", "w") as f:
       json.dump(log, f, indent=1)
     plot_losses(log, directory / "loss.png")
+  resume_state.discard(output_dir)
   return log

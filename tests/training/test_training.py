@@ -13,7 +13,7 @@ from flax import nnx
 import jaxspec
 import jaxspec.__main__
 from jaxspec.tokenizer import load_tokenizer
-from jaxspec.training import cli, corpus, demos, repetition, trainer
+from jaxspec.training import cli, corpus, demos, repetition, resume, trainer
 
 # A flag that differs from the smoke defaults (and leaves the losses as they were): the run
 # must honour it.
@@ -241,6 +241,86 @@ def test_a_draft_head_phase_changes_the_mtp_layer_and_saves_the_target_bit_for_b
   assert [s["continuation"] for s in log["samples"]] == [
     s["continuation"] for s in base_log["samples"]
   ]
+
+
+def test_a_run_paused_twice_and_resumed_saves_the_uninterrupted_checkpoint_bit_for_bit(
+  smoke_run, tmp_path, capsys
+):
+  base_dir, base_log = smoke_run
+  output_dir = tmp_path / "paused"
+  argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)] + SMOKE_FLAGS
+  state = resume.resume_dir(output_dir)
+  # Any positive pause stops after the call's first step: steps 0 and 1, then the rest.
+  for call, next_step in ((argv, 1), (argv + ["--resume"], 2)):
+    assert cli.main(call + ["--pause-after-s", "1e-9"]) == 0
+    assert f"paused after step {next_step} of 30" in capsys.readouterr().out
+    assert not output_dir.exists()
+    with open(state / "state.json") as f:
+      assert json.load(f)["next_step"] == next_step
+  assert cli.main(argv + ["--resume"]) == 0
+  assert not state.exists()  # the checkpoint replaces the paused state
+  for name in ("model.safetensors", "tokenizer.json", "config.json"):
+    assert (output_dir / name).read_bytes() == (base_dir / name).read_bytes(), name
+  with open(output_dir / "training_log.json") as f:
+    log = json.load(f)
+  assert [h["loss"] for h in log["history"]] == [h["loss"] for h in base_log["history"]]
+  assert [e["step"] for e in log["evals"]] == [0, 15, 30]
+  assert log["evals"][-1]["lm_loss"] == base_log["evals"][-1]["lm_loss"]
+  assert log["final"]["steps"] == 30
+
+
+def test_resume_refuses_a_missing_or_foreign_state_and_a_fresh_run_keeps_a_paused_one(
+  tmp_path, capsys
+):
+  output_dir = tmp_path / "model"
+  argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir)]
+  with pytest.raises(SystemExit):
+    cli.main(argv + ["--resume"])
+  assert "no paused run to resume" in capsys.readouterr().err
+  # With a time budget the first call pauses only once the step count is fixed: after the
+  # calibration's last step (the smoke warm-up's 5th, step 5).
+  budget = ["--steps", "8", "--time-budget-s", "1000"]
+  assert cli.main(argv + budget + ["--pause-after-s", "1e-9"]) == 0
+  with open(resume.resume_dir(output_dir) / "state.json") as f:
+    state = json.load(f)
+  assert (state["next_step"], state["total_steps"]) == (6, 8)
+  with pytest.raises(SystemExit):  # other options than the paused run's
+    cli.main(argv + ["--steps", "9", "--time-budget-s", "1000", "--resume"])
+  assert "steps: 8 then, 9 now" in capsys.readouterr().err
+  with pytest.raises(SystemExit):  # a fresh run would write over the paused state
+    cli.main(argv + ["--steps", "8"])
+  assert "holds a paused run" in capsys.readouterr().err
+  with pytest.raises(FileExistsError, match="holds a paused run"):
+    trainer.train(dataclasses.replace(cli.SMOKE, steps=8), output_dir, progress=False)
+  with pytest.raises(ValueError, match="pause_after_s must be positive"):
+    trainer.train(cli.SMOKE, tmp_path / "other", pause_after_s=0.0, progress=False)
+  assert (resume.resume_dir(output_dir) / "state.json").is_file()
+
+
+def test_a_paused_run_keeps_its_best_evaluation_s_parameters(smoke_run, tmp_path, monkeypatch):
+  # As in the init_from test, the first evaluation ranks best: after a pause right after step 0
+  # and the resumed steps, the saved weights must still be the loaded ones bit for bit.
+  base_dir, _ = smoke_run
+  monkeypatch.setattr(trainer, "_validation_key", lambda metrics: -metrics["step"])
+  monkeypatch.setattr(trainer, "VALIDATION_PROMPTS", trainer.VALIDATION_PROMPTS[:1])
+  output_dir = tmp_path / "kept"
+  argv = ["train", "--smoke", "--no-progress", "--output-dir", str(output_dir), "--init-from"]
+  argv += [str(base_dir), "--steps", "4", "--warmup-steps", "3", "--keep", "validation"]
+  assert cli.main(argv + ["--pause-after-s", "1e-9"]) == 0
+  assert cli.main(argv + ["--resume"]) == 0
+  with open(output_dir / "training_log.json") as f:
+    log = json.load(f)
+  assert [e["step"] for e in log["evals"]] == [0, 4]
+  assert (log["final"]["steps"], log["final"]["kept_step"]) == (4, 0)
+  assert log["evals"][-1]["lm_loss"] != log["evals"][0]["lm_loss"]  # the steps did train
+  base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
+  saved = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
+  for before, after in zip(
+    jax.tree.leaves(nnx.state(base, nnx.Param)),
+    jax.tree.leaves(nnx.state(saved, nnx.Param)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(before, np.float32), np.asarray(after, np.float32))
 
 
 def test_init_from_refuses_a_checkpoint_of_another_shape(smoke_run, tmp_path, capsys):
