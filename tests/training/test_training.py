@@ -31,6 +31,18 @@ def smoke_run(tmp_path_factory):
     return output_dir, json.load(f)
 
 
+def assert_same_parameters(base_dir, output_dir):
+  """The two checkpoints hold the same parameters, bit for bit."""
+  base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
+  saved = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
+  for before, after in zip(
+    jax.tree.leaves(nnx.state(base, nnx.Param)),
+    jax.tree.leaves(nnx.state(saved, nnx.Param)),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(np.asarray(before, np.float32), np.asarray(after, np.float32))
+
+
 def test_corpus_is_sorted_and_held_out_files_stay_out_of_training():
   paths = corpus.list_sources()
   assert paths == sorted(paths)
@@ -186,14 +198,7 @@ def test_init_from_continues_from_the_checkpoint_and_keep_validation_can_save_it
   assert (final["steps"], final["kept_step"]) == (4, 0)
   assert final["held_out_lm_loss"] == evals[0]["lm_loss"]
   assert final["train_lm_loss"] == log["history"][0]["lm_loss"]
-  base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
-  saved = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
-  for before, after in zip(
-    jax.tree.leaves(nnx.state(base, nnx.Param)),
-    jax.tree.leaves(nnx.state(saved, nnx.Param)),
-    strict=True,
-  ):
-    np.testing.assert_array_equal(np.asarray(before, np.float32), np.asarray(after, np.float32))
+  assert_same_parameters(base_dir, output_dir)
   # The second phase evaluates the loaded bf16 parameters before its first step: exactly the
   # first phase's final (bf16) evaluation, on the same held-out windows.
   start, end = log["evals"][0], base_log["evals"][-1]
@@ -313,14 +318,7 @@ def test_a_paused_run_keeps_its_best_evaluation_s_parameters(smoke_run, tmp_path
   assert [e["step"] for e in log["evals"]] == [0, 4]
   assert (log["final"]["steps"], log["final"]["kept_step"]) == (4, 0)
   assert log["evals"][-1]["lm_loss"] != log["evals"][0]["lm_loss"]  # the steps did train
-  base = jaxspec.load_pretrained(base_dir, dtype=jnp.bfloat16)
-  saved = jaxspec.load_pretrained(output_dir, dtype=jnp.bfloat16)
-  for before, after in zip(
-    jax.tree.leaves(nnx.state(base, nnx.Param)),
-    jax.tree.leaves(nnx.state(saved, nnx.Param)),
-    strict=True,
-  ):
-    np.testing.assert_array_equal(np.asarray(before, np.float32), np.asarray(after, np.float32))
+  assert_same_parameters(base_dir, output_dir)
 
 
 def test_init_from_refuses_a_checkpoint_of_another_shape(smoke_run, tmp_path, capsys):
