@@ -9,8 +9,8 @@ is building, in `<output_dir>.resume` (`resume_dir`):
   pytree in `jax.tree.leaves` order;
 - `tokenizer.json`: the run's tokenizer (trained in the first process, not again);
 - `state.json`: the run's `TrainConfig`, the next step, the total step count (fixed once, by
-  the time budget's calibration or `steps`), the time one evaluation took, the training seconds
-  spent, the log so far and the kept evaluation's metrics.
+  the time budget's calibration or `steps`), the time one evaluation took, the training and wall
+  seconds spent, the log so far and the kept evaluation's metrics.
 
 The next step's batch comes from `fold_in(key(seed), step)` and its learning rate from the
 step and the total, so a resumed run takes the same steps on the same data as an uninterrupted
@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxspec.training import bpe, staging
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def resume_dir(output_dir: str | Path) -> Path:
@@ -52,6 +52,7 @@ class PausedRun:
   total_steps: int
   eval_s: float
   train_s: float
+  wall_s: float  # the wall time of the calls so far, each one's set-up included
   log: dict[str, Any]
   kept_metrics: dict[str, Any] | None
 
@@ -70,6 +71,7 @@ def save(output_dir: str | Path, run: PausedRun) -> Path:
       "total_steps": run.total_steps,
       "eval_s": run.eval_s,
       "train_s": run.train_s,
+      "wall_s": run.wall_s,
       "kept_metrics": run.kept_metrics,
       "log": run.log,
     }
@@ -99,6 +101,7 @@ def load(output_dir: str | Path, config: dict[str, Any]) -> PausedRun:
     total_steps=state["total_steps"],
     eval_s=state["eval_s"],
     train_s=state["train_s"],
+    wall_s=state["wall_s"],
     log=state["log"],
     kept_metrics=state["kept_metrics"],
   )

@@ -997,9 +997,9 @@ def train(
     eval_start = time.perf_counter()  # a second evaluation, without its compile, times one
     evaluation()
     eval_s = time.perf_counter() - eval_start
-    first_step, total_steps, train_s_before = 0, config.steps, 0.0
+    first_step, total_steps, train_s_before, wall_s_before = 0, config.steps, 0.0, 0.0
   else:
-    eval_s, train_s_before = paused_run.eval_s, paused_run.train_s
+    eval_s, train_s_before, wall_s_before = paused_run.eval_s, paused_run.train_s, paused_run.wall_s
     first_step, total_steps = paused_run.next_step, paused_run.total_steps
   key = jax.random.key(config.seed)
   # The step time is measured within the warm-up, whose learning rates do not depend on the total
@@ -1057,6 +1057,7 @@ def train(
         total_steps=total_steps,
         eval_s=eval_s,
         train_s=train_s_before + time.perf_counter() - train_start,
+        wall_s=wall_s_before + time.perf_counter() - wall_start,
         log=log,
         kept_metrics=None if kept is None else kept[0],
       )
@@ -1109,7 +1110,8 @@ def train(
       "eval_s": eval_s,
       "train_s": train_s,
       "tokens_per_s": total_steps * config.batch_size * config.seq_len / train_s,
-      "total_s": time.perf_counter() - wall_start,
+      # With pauses: the wall time of every call (set-up repeated in each), not only this one's.
+      "total_s": wall_s_before + time.perf_counter() - wall_start,
     }
     with open(directory / "training_log.json", "w") as f:
       json.dump(log, f, indent=1)

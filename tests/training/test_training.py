@@ -261,7 +261,12 @@ def test_a_run_paused_twice_and_resumed_saves_the_uninterrupted_checkpoint_bit_f
     assert f"paused after step {next_step} of 30" in capsys.readouterr().out
     assert not output_dir.exists()
     with open(state / "state.json") as f:
-      assert json.load(f)["next_step"] == next_step
+      saved = json.load(f)
+    assert saved["next_step"] == next_step
+  # The log's total_s counts the earlier calls' wall time: mark it in the state to see it carried.
+  saved["wall_s"] += 1000.0
+  with open(state / "state.json", "w") as f:
+    json.dump(saved, f)
   assert cli.main(argv + ["--resume"]) == 0
   assert not state.exists()  # the checkpoint replaces the paused state
   for name in ("model.safetensors", "tokenizer.json", "config.json"):
@@ -272,6 +277,7 @@ def test_a_run_paused_twice_and_resumed_saves_the_uninterrupted_checkpoint_bit_f
   assert [e["step"] for e in log["evals"]] == [0, 15, 30]
   assert log["evals"][-1]["lm_loss"] == base_log["evals"][-1]["lm_loss"]
   assert log["final"]["steps"] == 30
+  assert log["timing"]["total_s"] > 1000.0 > log["timing"]["train_s"]
 
 
 def test_resume_refuses_a_missing_or_foreign_state_and_a_fresh_run_keeps_a_paused_one(
