@@ -887,18 +887,18 @@ def train(
       "resume it (--resume, resume=True) or remove it"
     )
   wall_start = time.perf_counter()
-  initial_model = None
+  initial_model, tokenizer = None, None
   if paused_run is not None:
     tokenizer = paused_run.tokenizer
   elif config.init_from is not None:
     tokenizer = check_initial_checkpoint(config)
     initial_model = load_pretrained(config.init_from, dtype=jnp.float32)
+  elif tokenizer_path is not None:
+    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
   source = Path(corpus_source) if corpus_source is not None else None
   train_files, held_out_files = corpus.split_corpus(source, max_files=config.max_train_files)
-  if paused_run is None and initial_model is None and tokenizer_path is None:
+  if tokenizer is None:
     tokenizer = bpe.train_bpe((f.text for f in train_files), config.vocab_size)
-  elif paused_run is None and initial_model is None:
-    tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
   train_stream, file_tokens, definitions = training_stream(
     tokenizer, train_files, config.definition_documents
   )
