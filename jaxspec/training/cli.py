@@ -156,8 +156,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     )
   parser.add_argument(
     "--corpus",
-    help="a corpus archive written by scripts/build_corpus.py, or a copy of a Python standard "
-    "library folder; default: the running interpreter's standard library",
+    help="a corpus archive written by scripts/build_corpus.py (recompressed or not), or a copy of "
+    "a Python standard library folder; default: the running interpreter's standard library",
   )
   parser.add_argument(
     "--tokenizer", help="reuse this tokenizer.json instead of training a byte-level BPE"

@@ -117,11 +117,17 @@ def write_archive(members: list[tuple[str, str]], manifest: dict, path: str | Pa
 def read_archive(path: str | Path) -> tuple[dict, list[SourceFile]]:
   """(manifest, files in archive order) of a corpus archive written by `scripts/build_corpus.py`.
 
+  The tar may be recompressed with any compression Python's `tarfile` reads (gzip as written;
+  xz makes the 223 MB corpus 33 MB instead of 48, less to carry to a training machine) or none.
   Stdlib files come first, then the packages' (stable within each origin by path).
   """
   manifest = None
   files = []
-  with tarfile.open(path, mode="r:gz") as tar:
+  try:
+    tar = tarfile.open(path, mode="r:*")
+  except tarfile.ReadError as error:
+    raise ValueError(f"corpus archive {path} is not a tar archive: {error}") from None
+  with tar:
     for member in tar:
       if not member.isfile():
         continue

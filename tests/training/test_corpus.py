@@ -31,6 +31,26 @@ def test_archive_round_trip_and_split(tmp_path):
   assert again.read_bytes() == path.read_bytes()
 
 
+@pytest.mark.parametrize("compression", ["xz", "none"])
+def test_a_recompressed_archive_reads_the_same(tmp_path, compression):
+  import gzip
+  import lzma
+
+  path = tmp_path / "corpus.tar.gz"
+  corpus.write_archive(MEMBERS, {"python": "3.12"}, path)
+  tar_bytes = gzip.decompress(path.read_bytes())
+  other = tmp_path / f"corpus.{compression}"
+  other.write_bytes(lzma.compress(tar_bytes) if compression == "xz" else tar_bytes)
+  assert corpus.read_archive(other) == corpus.read_archive(path)
+
+
+def test_a_file_that_is_no_tar_archive_is_refused(tmp_path):
+  path = tmp_path / "corpus.tar.gz"
+  path.write_bytes(b"not an archive")
+  with pytest.raises(ValueError, match="is not a tar archive"):
+    corpus.read_archive(path)
+
+
 def test_a_held_out_name_outside_the_stdlib_is_training_data():
   assert corpus.SourceFile("bisect.py", "", origin="stdlib").held_out
   assert not corpus.SourceFile("bisect.py", "", origin="numpy").held_out
