@@ -117,8 +117,8 @@ def write_archive(members: list[tuple[str, str]], manifest: dict, path: str | Pa
 def read_archive(path: str | Path) -> tuple[dict, list[SourceFile]]:
   """(manifest, files in archive order) of a corpus archive written by `scripts/build_corpus.py`.
 
-  The tar may be recompressed with any compression Python's `tarfile` reads (gzip as written;
-  xz makes the 223 MB corpus 33 MB instead of 48, less to carry to a training machine) or none.
+  The tar may be recompressed with any compression Python's `tarfile` reads, or none (gzip as
+  written; xz is smaller to carry to a training machine).
   Stdlib files come first, then the packages' (stable within each origin by path).
   """
   manifest = None
