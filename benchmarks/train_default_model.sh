@@ -68,10 +68,13 @@
 # 64, 6.9M parameters) trained by the same two phases: CE 1.97, k = 3 greedy 3.02 tokens per
 # verify step on a CPU and 2.99 on the H200, but demos 4 with half parsing, and 1.98-2.11x over
 # plain decoding; not shipped
-# (benchmarks/results/default_model_6_layers_candidate.json). The step on the corpus's tokens
-# took 82-95 ms with XLA's scatter-add embedding gradient (its atomics serialise on frequent
-# tokens) against 32 ms on random ids; the one-hot matmul gradient runs the corpus at the random-id
-# speed.
+# (benchmarks/results/default_model_6_layers_candidate.json). A first phase at `--mtp-depth 3
+# --mtp-weight 1` (CE 2.00, 3.05 tokens per verify step) and five second phases from it: CE
+# 1.98-2.00 and 3.03-3.07, but four loop in a class demo and the fifth's pass is not yet seen on
+# the H200 (benchmarks/results/default_model_8_layers_second_phases_from_w1.json). The step on
+# the corpus's tokens took 82-95 ms with XLA's scatter-add embedding gradient (its atomics
+# serialise on frequent tokens) against 32 ms on random ids; the one-hot matmul gradient runs the
+# corpus at the random-id speed.
 set -euo pipefail
 output_dir=${1:?usage: $0 OUTPUT_DIR [train options]}
 shift
