@@ -107,7 +107,8 @@ _CONFIG_OPTIONS = {
     None,
     "the checkpoint saved: the 'last', or of those evaluated (the start, every --eval-every "
     "steps, the end) the one whose greedy continuations of the validation prompts read best "
-    "(no line more than twice and most parsing first): 'validation'",
+    "(no line more than twice and most parsing first; the saved weights run in bf16 and in "
+    "float32, the worse counting): 'validation'",
   ),
   "init_from": (
     str,

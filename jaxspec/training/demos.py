@@ -109,6 +109,33 @@ def demo_quality(samples: list[tuple[str, str, bool]]) -> dict:
   }
 
 
+def worst_of(reports: dict[str, dict], samples_from: str) -> dict:
+  """The worse of several `demo_quality` reports of the same prompts (e.g. one model's weights in
+  two precisions): the most repeated line of any, the lowest parse rate; `samples` and `ended`
+  from `reports[samples_from]`, and each report's two totals under `by_name`.
+
+  Greedy decoding follows the argmax, and rounding the weights can flip one argmax and with it
+  a whole continuation: a checkpoint's demos passed the bar in bf16 and repeated a line four times
+  with the same weights in float32.
+  """
+  if samples_from not in reports:
+    raise ValueError(f"samples_from {samples_from!r} is not one of the reports {list(reports)}")
+  prompts = {name: [s["prompt"] for s in r["samples"]] for name, r in reports.items()}
+  if any(p != prompts[samples_from] for p in prompts.values()):
+    raise ValueError(f"the reports continue different prompts: {prompts}")
+  chosen = reports[samples_from]
+  return {
+    "samples": chosen["samples"],
+    "max_line_repeats": max(r["max_line_repeats"] for r in reports.values()),
+    "parse_rate": min(r["parse_rate"] for r in reports.values()),
+    "ended": chosen["ended"],
+    "by_name": {
+      name: {"max_line_repeats": r["max_line_repeats"], "parse_rate": r["parse_rate"]}
+      for name, r in reports.items()
+    },
+  }
+
+
 def healed_demo_quality(
   tokenizer: HfTokenizer,
   vocab_size: int,

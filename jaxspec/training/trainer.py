@@ -60,6 +60,7 @@ from jaxspec.training.demos import (
   VALIDATION_PROMPTS,
   healed_demo_quality,
   meets_bar,
+  worst_of,
 )
 
 
@@ -203,7 +204,8 @@ class TrainConfig:
   init_from: str | None = None
   # The checkpoint saved: the "last", or of those evaluated (the start, every `eval_every` steps,
   # the end) the one whose greedy continuations of `demos.VALIDATION_PROMPTS` read best
-  # (`_validation_key`): "validation". A few hundred steps move the demos' most repeated
+  # (`_validation_key`), scored on the weights as saved, the worse of bf16 and float32:
+  # "validation". A few hundred steps move the demos' most repeated
   # line between 2 and 4 while the held-out losses barely move
   # (benchmarks/results/default_model_8_layers_draft_phases.md); choosing on other prompts keeps
   # the demo prompts an unseen test of the kept checkpoint.
@@ -375,6 +377,13 @@ def _compute_params(params):
     return value.astype(jnp.bfloat16)
 
   return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _saved_params(params, dtype):
+  """The parameters as the checkpoint stores them (`_compute_params`: bf16, the router's
+  correction bias float32) and as `load_pretrained(dtype=dtype)` reads them back."""
+  stored = _compute_params(params)
+  return jax.tree.map(lambda v: v.astype(dtype) if v.dtype == jnp.bfloat16 else v, stored)
 
 
 def _joint_logits(
@@ -943,21 +952,28 @@ def train(
   }
   bits_per_nat_byte = len(held_out_stream) / held_out_bytes / math.log(2)
 
-  def demo_report(model, prompt_texts):
-    return healed_demo_quality(
-      HfTokenizer(tokenizer),
-      model_config.vocab_size,
-      lambda ids, masks: greedy_continuations(
-        model, ids, masks, config.demo_new_tokens, model_config.eos_token_ids
-      ),
-      prompt_texts,
-      stop_token_ids=model_config.eos_token_ids,
-    )
+  def demo_report(params, prompt_texts):
+    # The weights as saved (bf16), in the two precisions `generate` serves them in (bf16 by
+    # default, `--dtype float32`); the worse of the two counts (`demos.worst_of`), the bf16 text
+    # is shown.
+    reports = {}
+    for name, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
+      model = nnx.merge(trainer.graphdef, _saved_params(params, dtype))
+      reports[name] = healed_demo_quality(
+        HfTokenizer(tokenizer),
+        model_config.vocab_size,
+        lambda ids, masks, model=model: greedy_continuations(
+          model, ids, masks, config.demo_new_tokens, model_config.eos_token_ids
+        ),
+        prompt_texts,
+        stop_token_ids=model_config.eos_token_ids,
+      )
+    return worst_of(reports, samples_from="bfloat16")
 
   def evaluation():
     metrics = trainer.evaluate(held_out)
     if config.keep == "validation":
-      report = demo_report(trainer.model(), VALIDATION_PROMPTS)
+      report = demo_report(trainer.params, VALIDATION_PROMPTS)
       metrics["validation_demo_max_line_repeats"] = report["max_line_repeats"]
       metrics["validation_demo_parse_rate"] = report["parse_rate"]
     return metrics
@@ -1071,12 +1087,12 @@ def train(
   train_s = train_s_before + time.perf_counter() - train_start
   final = run_eval(total_steps)
 
-  model = trainer.model()
+  params = trainer.params
   if kept is not None:
     final, params = kept
-    model = nnx.merge(trainer.graphdef, params)
     tqdm.write(f"kept the checkpoint of step {final['step']} (--keep validation)")
-  demos = demo_report(model, DEMO_PROMPTS)
+  model = nnx.merge(trainer.graphdef, params)
+  demos = demo_report(params, DEMO_PROMPTS)
   # The train losses logged last at or before the kept step, computed on its parameters when
   # logged at it.
   trained = [h for h in log["history"] if h["step"] <= final["step"]]
@@ -1088,6 +1104,7 @@ def train(
     **{f"held_out_{k}": v for k, v in final.items() if k != "step"},
     "demo_max_line_repeats": demos["max_line_repeats"],
     "demo_parse_rate": demos["parse_rate"],
+    "demo_by_precision": demos["by_name"],
   }
   # Occurrences 2, 3, ... of repeated held-out spans: how strongly the model copies a loop, over
   # fewer places when the evaluation is capped (`max_eval_windows`, the smoke runs).

@@ -1,6 +1,8 @@
 """The checks behind issue 16's demo bar: repeated lines and `ast.parse` of the cut text."""
 
-from jaxspec.training.demos import demo_quality, max_line_repeats, parses_as_python
+import pytest
+
+from jaxspec.training.demos import demo_quality, max_line_repeats, parses_as_python, worst_of
 
 
 def test_max_line_repeats_finds_a_greedy_loop_and_ignores_blank_lines():
@@ -117,3 +119,22 @@ def test_the_validation_rank_puts_the_bar_first_then_repeats_then_parsing_then_t
   assert kept(record(0, 2, 0.6), record(250, 2, 0.9)) == 250  # then the larger share parsing
   assert kept(record(0, 2, 0.9), record(250, 2, 0.9), record(500, 4, 1.0)) == 250  # the later
   assert kept(record(0, 3, 0.2), record(250, 5, 0.9)) == 0  # neither: fewer repeats
+
+
+def test_worst_of_takes_the_most_repeated_line_and_the_lowest_parse_rate_of_any_report():
+  prompt = "def f():\n"
+  looping = demo_quality([(prompt, "    x = 1\n" * 4, False), ("class A:\n", "    pass\n", True)])
+  clean = demo_quality([(prompt, "    return 1\n", True), ("class A:\n", "    x = (\n", False)])
+  report = worst_of({"bfloat16": clean, "float32": looping}, samples_from="bfloat16")
+  assert report["max_line_repeats"] == 4 and looping["max_line_repeats"] == 4
+  assert report["parse_rate"] == 0.5 == clean["parse_rate"] and looping["parse_rate"] == 1.0
+  assert report["samples"] == clean["samples"] and report["ended"] == clean["ended"] == 1
+  assert report["by_name"] == {
+    "bfloat16": {"max_line_repeats": 1, "parse_rate": 0.5},
+    "float32": {"max_line_repeats": 4, "parse_rate": 1.0},
+  }
+  with pytest.raises(ValueError, match="samples_from 'fp8'"):
+    worst_of({"bfloat16": clean}, samples_from="fp8")
+  other = demo_quality([("def g():\n", "    return 1\n", True), ("class A:\n", "    pass\n", True)])
+  with pytest.raises(ValueError, match="different prompts"):
+    worst_of({"bfloat16": clean, "float32": other}, samples_from="bfloat16")

@@ -171,6 +171,30 @@ def test_checkpoint_round_trips_with_load_pretrained_and_its_tokenizer(smoke_run
     assert metrics[name] == pytest.approx(final[name], rel=1e-5, abs=1e-6), name
 
 
+def test_the_demos_run_the_weights_as_the_checkpoint_saves_and_load_pretrained_reads_them(
+  smoke_run, tmp_path
+):
+  # Master parameters off the bf16 grid, as training leaves them; the router's correction bias
+  # too (the checkpoint keeps it float32).
+  model = jaxspec.load_pretrained(smoke_run[0], dtype=jnp.float32)
+  params = nnx.state(model, nnx.Param)
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  noisy = [
+    v * (1 + 1e-3 * jax.random.normal(k, v.shape)) for v, k in zip(leaves, keys, strict=True)
+  ]
+  params = jax.tree.unflatten(treedef, noisy)
+  nnx.update(model, params)
+  jaxspec.save_pretrained(model, tmp_path, dtype=jnp.bfloat16)
+  for dtype in (jnp.bfloat16, jnp.float32):
+    saved = nnx.state(jaxspec.load_pretrained(tmp_path, dtype=dtype), nnx.Param)
+    ours = trainer._saved_params(params, dtype)
+    flat_saved, flat_ours = jax.tree.leaves_with_path(saved), jax.tree.leaves_with_path(ours)
+    assert [p for p, _ in flat_saved] == [p for p, _ in flat_ours]
+    for (path, a), (_, b) in zip(flat_saved, flat_ours, strict=True):
+      assert a.dtype == b.dtype and bool(jnp.all(a == b)), (dtype, jax.tree_util.keystr(path))
+
+
 def test_init_from_continues_from_the_checkpoint_and_keep_validation_can_save_its_start(
   smoke_run, tmp_path, monkeypatch
 ):
@@ -196,6 +220,11 @@ def test_init_from_continues_from_the_checkpoint_and_keep_validation_can_save_it
     assert 0.0 <= e["validation_demo_parse_rate"] <= 1.0
   assert evals[-1]["lm_loss"] != evals[0]["lm_loss"]
   assert (final["steps"], final["kept_step"]) == (4, 0)
+  # The demos of the saved weights, served in bf16 and in float32: the worse of the two counts.
+  by_precision = final["demo_by_precision"]
+  assert set(by_precision) == {"bfloat16", "float32"}
+  assert final["demo_max_line_repeats"] == max(r["max_line_repeats"] for r in by_precision.values())
+  assert final["demo_parse_rate"] == min(r["parse_rate"] for r in by_precision.values())
   assert final["held_out_lm_loss"] == evals[0]["lm_loss"]
   assert final["train_lm_loss"] == log["history"][0]["lm_loss"]
   assert_same_parameters(base_dir, output_dir)
