@@ -17,8 +17,10 @@ Measures, for MODEL_DIR (default: the embedded model):
   line) and 48 (a short function); reported, no target);
 - greedy continuations of the six demo prompts (`jaxspec.training.demos.DEMO_PROMPTS`), 96 new
   tokens at most, the prompt encoded and healed as `generate` does (a continuation that ends at
-  the model's end-of-text token stops there and counts as ended): no line more than twice, and
-  more than half parse with `ast.parse` when cut at the last complete line (whole when ended).
+  the model's end-of-text token stops there and counts as ended), the weights in bf16 and in
+  float32 (`generate --dtype float32`), the worse of the two counting: no line more than twice,
+  and more than half parse with `ast.parse` when cut at the last complete line (whole when
+  ended).
   With `--sample-temperature T` the same prompts are also sampled (top-p 0.95, fixed seed) and
   reported the same way, to compare with greedy. `--validation-prompts` continues twelve other
   prompts of the same kinds instead (`VALIDATION_PROMPTS`), to choose between candidate
@@ -53,6 +55,7 @@ from jaxspec.training.demos import (
   MIN_PARSE_RATE,
   VALIDATION_PROMPTS,
   healed_demo_quality,
+  worst_of,
 )
 
 SAMPLE_TOP_P = 0.95
@@ -159,14 +162,22 @@ def main(argv=None) -> int:
     progress=False,
   )
   repeats = repetition.repetition_profiles(model, stream, KernelChoices())
-  greedy = demo_continuations(bf16_model, tokenizer, SamplingParams(), prompt_texts=prompt_texts)
-  _print_samples("greedy demos (96 new tokens)", greedy)
+  # Greedy text can flip with the weights' precision: `generate` serves bf16 by default and
+  # float32 with `--dtype float32`; the worse of the two counts, as the trainer scores its demos.
+  by_precision = {
+    name: demo_continuations(m, tokenizer, SamplingParams(), prompt_texts=prompt_texts)
+    for name, m in (("bfloat16", bf16_model), ("float32", model))
+  }
+  for name, report in by_precision.items():
+    _print_samples(f"greedy demos (96 new tokens, {name})", report)
+  greedy = worst_of(by_precision, samples_from="bfloat16")
   result = {
     "model_dir": str(model_dir),
     "prompts": "validation" if args.validation_prompts else "demo",
     "held_out": held_out,
     "k3_greedy": row,
     "greedy_demos": greedy,
+    "greedy_demos_float32": by_precision["float32"],
     "repeated_span_by_occurrence": repeats,
     "measured": {
       "held_out_ce": held_out["ce"],
@@ -192,6 +203,14 @@ def main(argv=None) -> int:
   parse_ok = measured["demo_parse_rate"] > MIN_PARSE_RATE
   lines.append(
     f"| demo_parse_rate | {measured['demo_parse_rate']:.2f} | > {MIN_PARSE_RATE} | {parse_ok} |"
+  )
+  lines.append(
+    "(demos by precision: "
+    + "; ".join(
+      f"{name} line x{r['max_line_repeats']}, parse rate {r['parse_rate']:.2f}"
+      for name, r in greedy["by_name"].items()
+    )
+    + ")"
   )
   lines.append(
     f"(held-out: {held_out['windows']} windows of {seq_len} tokens, "
