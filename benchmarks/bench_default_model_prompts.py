@@ -16,13 +16,12 @@ Results: `--out`.json / .md.
 
 import argparse
 import datetime
-import json
 import statistics
-import sys
 from pathlib import Path
 
 import jax
 
+from benchmarks._results import command_line, write_results
 from jaxspec.__main__ import _build_parser, generate
 from jaxspec.training.demos import DEMO_PROMPTS
 
@@ -92,15 +91,6 @@ def render(results: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
-def command_line() -> str:
-  """The command as run, paths shortened to their last part (no machine's paths in results)."""
-  argv = [
-    Path(a).name if i and sys.argv[i - 1] in ("--out", "--model") else a
-    for i, a in enumerate(sys.argv)
-  ]
-  return " ".join(["python benchmarks/bench_default_model_prompts.py", *argv[1:]])
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
@@ -134,16 +124,12 @@ def main():
       "device": jax.devices()[0].device_kind,
       "jax": jax.__version__,
       "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-      "command": command_line(),
+      "command": command_line("bench_default_model_prompts.py", path_options=("--out", "--model")),
       **{k: getattr(args, k) for k in ("spec_tokens", "max_new_tokens", "repeats", "rounds")},
     },
     "models": models,
   }
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-  markdown = render(results)
-  args.out.with_suffix(".md").write_text(markdown)
-  print(markdown)
+  write_results(results, render(results), args.out)
 
 
 if __name__ == "__main__":

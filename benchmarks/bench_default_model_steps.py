@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks._results import command_line, write_results
 from benchmarks._timing import ProfileFailed, dispatch_seconds, profile_stateful, time_stateful
 from jaxspec.__main__ import DEFAULT_MODEL
 from jaxspec.model.metadata import KernelChoices
@@ -358,12 +358,6 @@ def render(results) -> str:
   return "\n".join(lines) + "\n"
 
 
-def command_line() -> str:
-  """The command as run, `--out` shortened to its file name (no machine's paths in results)."""
-  argv = [Path(a).name if i and sys.argv[i - 1] == "--out" else a for i, a in enumerate(sys.argv)]
-  return " ".join(["python benchmarks/bench_default_model_steps.py", *argv[1:]])
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--moe", nargs="+", default=["auto"], help="KernelChoices.moe values")
@@ -389,7 +383,7 @@ def main():
       "jax": jax.__version__,
       "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "command": command_line(),
+      "command": command_line("bench_default_model_steps.py"),
       **{
         k: getattr(args, k)
         for k in ("context", "spec_tokens", "max_new_tokens", "repeats", "loop_steps")
@@ -404,11 +398,7 @@ def main():
     results["shapes"] = measure_shapes(model.config.vocab_size, args)
   results["loops"] = measure_loops(model, KernelChoices(), args)
   results["generation"] = measure_generation(model, args)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-  markdown = render(results)
-  args.out.with_suffix(".md").write_text(markdown)
-  print(markdown)
+  write_results(results, render(results), args.out)
 
 
 if __name__ == "__main__":
