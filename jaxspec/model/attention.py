@@ -68,11 +68,19 @@ class GqaPages:
     return self.k.shape[2]
 
 
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+
+
 def _quantize(new: jax.Array, scale: jax.Array | None) -> jax.Array:
-  """new: [B, T, Hkv, D] -> new / scale per KV head (fp8 pages), or `new` as it is."""
+  """new: [B, T, Hkv, D] -> new / scale per KV head (fp8 pages), or `new` as it is.
+
+  Saturating, as vLLM's and FlashInfer's fp8 KV writers convert (CUDA's `__NV_SATFINITE`): a
+  value beyond +-448 * scale is stored as +-448, where a plain cast to float8_e4m3fn (no
+  infinities) would store NaN and turn every later attention output of its request into NaN.
+  """
   if scale is None:
     return new
-  return new.astype(jnp.float32) / scale[None, None, :, None]
+  return jnp.clip(new.astype(jnp.float32) / scale[None, None, :, None], -FP8_MAX, FP8_MAX)
 
 
 def write_kv_pages(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -146,7 +154,8 @@ class GqaAttention(nnx.Module):
 
   def init_pages(self, num_pages: int, page_size: int, dtype, kv_scale: float = 1.0) -> GqaPages:
     """Zeroed pages; with dtype float8_e4m3fn every KV head stores values divided by `kv_scale`
-    (quantised on write, as FlashInfer and vLLM serve fp8 KV caches)."""
+    (quantised on write, as FlashInfer and vLLM serve fp8 KV caches; beyond +-448 * `kv_scale`
+    a value saturates)."""
     shape = (self.num_kv_heads, num_pages, page_size, self.head_dim)
     pages = GqaPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     if jnp.dtype(dtype) == jnp.float8_e4m3fn:

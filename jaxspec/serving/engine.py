@@ -50,7 +50,8 @@ class EngineConfig:
   `attention_impl` picks `paged_decode_attention`'s implementation and `index_conversion_impl`
   (default: the same) `convert_topk_to_physical`'s, for GLM-5 models. `kv_cache_dtype`
   "float8_e4m3fn" keeps the KV pages in fp8 (half the bytes to read; GQA models), quantised on
-  write as value / `kv_scale`. `shuffle_pages_seed` hands pages out in random order (tests).
+  write as value / `kv_scale`, saturating at +-448. `shuffle_pages_seed` hands pages out in
+  random order (tests).
   """
 
   max_batch_size: int = 8

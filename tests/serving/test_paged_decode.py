@@ -217,6 +217,42 @@ def test_fp8_cache_stores_each_key_and_value_to_e4m3_precision(kv_scale):
           assert (np.abs(got - want) <= bound).all()
 
 
+def test_fp8_cache_saturates_values_beyond_its_range():
+  """A key or value beyond +-448 * kv_scale is stored as +-448 with its sign (saturating, as vLLM
+  and FlashInfer write fp8 caches), never NaN: float8_e4m3fn has no infinities, so a plain cast
+  stores NaN, and every later attention output of that request would be NaN."""
+  page_size, total, kv_scale = 4, 11, 2.0**-12  # most keys and values overflow at this scale
+  model, tokens, _, block_tables, cache32 = _setup("glm4_moe_a", page_size, total, 5)
+  graphdef, params = nnx.split(model)
+  cache8 = model.init_cache(
+    cache32.num_pages, page_size, dtype=jnp.float8_e4m3fn, kv_scale=kv_scale
+  )
+  prompt_lens = np.array([6, 2], np.int32)
+  _, cache32 = _prefill(graphdef, params, cache32, tokens[:, :6], prompt_lens, block_tables)
+  _, cache8 = _prefill(graphdef, params, cache8, tokens[:, :6], prompt_lens, block_tables)
+  saturated = 0
+  for pages8, pages32 in zip(cache8.layers, cache32.layers, strict=True):
+    for stored, exact in ((pages8.k, pages32.k), (pages8.v, pages32.v)):
+      for b, n in enumerate(prompt_lens):
+        pages = np.asarray(block_tables[b])
+        for t in range(n):
+          page, offset = pages[t // page_size], t % page_size
+          got = np.asarray(stored[:, page, offset].astype(jnp.float32))
+          want = np.asarray(exact[:, page, offset]) / kv_scale
+          over = np.abs(want) > 448
+          np.testing.assert_array_equal(got[over], np.sign(want[over]) * 448)
+          bound = 2.0**-4 * np.abs(want[~over]) + 2.0**-9
+          assert (np.abs(got[~over] - want[~over]) <= bound).all()
+          saturated += over.sum()
+  assert saturated > 0
+  # A decode step reads the saturated pages: its logits stay finite.
+  seq_lens = jnp.asarray(prompt_lens + 1)
+  step = decode_metadata(seq_lens, block_tables, 1, page_size, XLA)
+  step_tokens = jnp.asarray(tokens[np.arange(2), prompt_lens][:, None])
+  logits, _ = _forward(graphdef, params, cache8, step_tokens, step)
+  assert np.isfinite(np.asarray(logits)).all()
+
+
 def test_fp8_cache_serves_generation():
   """An engine with fp8 KV pages decodes the same prompt end to end; its first greedy token
   agrees with the 16-bit cache's (later ones may drift with e4m3 rounding)."""
