@@ -20,7 +20,7 @@ from jaxspec import argtypes
 from jaxspec.compile_cache import enable_compile_cache
 from jaxspec.evaluation import EvalConfig, evaluate, format_table, held_out_prompts
 from jaxspec.model.weights import load_pretrained, read_config
-from jaxspec.serving.engine import MAX_LOOKAHEAD, EngineConfig, Generator
+from jaxspec.serving.engine import KV_CACHE_DTYPES, MAX_LOOKAHEAD, EngineConfig, Generator
 from jaxspec.serving.sampling import SamplingParams
 from jaxspec.serving.speculative import SpeculativeConfig, SpeculativeGenerator
 from jaxspec.serving.token_healing import continuation_text, heal_prompt
@@ -36,6 +36,21 @@ _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 _EVAL = EvalConfig()  # the `evaluate` options' defaults
 MAX_SPEC_TOKENS = MAX_LOOKAHEAD - 1  # k draft tokens + 1 verified row fit the lookahead
 MAX_PAGE_SIZE = 1024
+
+
+def _add_kv_cache_options(command: argparse.ArgumentParser) -> None:
+  command.add_argument(
+    "--kv-cache-dtype",
+    choices=KV_CACHE_DTYPES,
+    default="auto",
+    help="KV pages' dtype: auto = the weights' dtype; float8_e4m3fn halves the bytes each "
+    "attention step reads (GQA models), quantised on write as value / --kv-scale",
+  )
+  command.add_argument(
+    "--kv-scale",
+    type=argtypes.float_in(0.0, low_open=True),
+    help="fp8 pages store value / scale (default 1.0); only with --kv-cache-dtype float8_e4m3fn",
+  )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -77,6 +92,7 @@ def _build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--seed", type=argtypes.seed, default=0, help=f"0..{argtypes.MAX_SEED}")
   gen.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
   gen.add_argument("--page-size", type=argtypes.int_in(1, MAX_PAGE_SIZE), default=16)
+  _add_kv_cache_options(gen)
   gen.add_argument(
     "--compare",
     action="store_true",
@@ -122,6 +138,7 @@ def _build_parser() -> argparse.ArgumentParser:
   ev.add_argument("--max-new-tokens", type=argtypes.positive_int, default=_EVAL.max_new_tokens)
   ev.add_argument("--seed", type=argtypes.seed, default=0)
   ev.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+  _add_kv_cache_options(ev)
   ev.add_argument("--json", action="store_true", help="print the rows as JSON")
   return parser
 
@@ -158,6 +175,22 @@ def _checked_model_dir(parser: argparse.ArgumentParser, model: str | None):
   if not any(directory.glob("*.safetensors")):
     parser.error(f"--model {directory}: no *.safetensors weights")
   return directory, config, tokenizer
+
+
+def _kv_cache(parser: argparse.ArgumentParser, args, config) -> dict:
+  """`EngineConfig`'s KV-cache fields from `--kv-cache-dtype` / `--kv-scale`, checked against the
+  model's attention before any weight loads."""
+  if args.kv_cache_dtype == "auto":
+    if args.kv_scale is not None:
+      parser.error("--kv-scale applies only with --kv-cache-dtype float8_e4m3fn")
+    return {}
+  if config.attention_kind != "gqa":
+    parser.error(
+      f"--kv-cache-dtype {args.kv_cache_dtype}: fp8 KV pages serve GQA attention; this model's "
+      f"{config.attention_kind.upper()} cache stays 16-bit"
+    )
+  scale = 1.0 if args.kv_scale is None else args.kv_scale
+  return {"kv_cache_dtype": args.kv_cache_dtype, "kv_scale": scale}
 
 
 def _sampling(
@@ -203,12 +236,15 @@ def _load_weights(parser, directory: Path, dtype: str):
 
 
 def _warm_engine(
-  model, prompt_ids, first_token_mask, args, sampling: SamplingParams, spec_tokens: int
+  model, prompt_ids, first_token_mask, args, sampling: SamplingParams, spec_tokens: int, kv_cache
 ):
   """A plain (spec_tokens 0) or MTP-speculative engine for the prompt, its steps compiled by a
   two-token run on the same shapes and first-token mask, so that timed runs exclude compilation."""
   engine_config = EngineConfig(
-    max_batch_size=1, max_seq_len=len(prompt_ids) + args.max_new_tokens, page_size=args.page_size
+    max_batch_size=1,
+    max_seq_len=len(prompt_ids) + args.max_new_tokens,
+    page_size=args.page_size,
+    **kv_cache,
   )
   if spec_tokens:
     engine = SpeculativeGenerator(model, engine_config, SpeculativeConfig(spec_tokens))
@@ -259,6 +295,7 @@ def generate(args) -> dict:
       f"--max-new-tokens {args.max_new_tokens} with a {len(prompt_ids)}-token prompt exceeds the "
       f"model's max_position_embeddings ({config.max_position_embeddings})"
     )
+  kv_cache = _kv_cache(parser, args, config)
   model_name = args.model or DEFAULT_MODEL_NAME
   if args.spec_tokens and not config.num_nextn_predict_layers:
     parser.error(f"{model_name} has no MTP layer; use --spec-tokens 0")
@@ -269,9 +306,9 @@ def generate(args) -> dict:
   ids, mask = prompt_ids, None
   if args.token_healing:
     ids, mask = heal_prompt(tokenizer, prompt_ids, config.vocab_size)
-  engines = {"main": _warm_engine(model, ids, mask, args, sampling, args.spec_tokens)}
+  engines = {"main": _warm_engine(model, ids, mask, args, sampling, args.spec_tokens, kv_cache)}
   if args.compare:
-    engines["baseline"] = _warm_engine(model, ids, mask, args, sampling, 0)
+    engines["baseline"] = _warm_engine(model, ids, mask, args, sampling, 0, kv_cache)
   runs = _timed_runs(engines, ids, mask, args, sampling)
   run = runs["main"]
   result = {
@@ -285,6 +322,8 @@ def generate(args) -> dict:
     "token_healing": None if mask is None else tokenizer.decode(prompt_ids[len(ids) :]),
     "spec_tokens": args.spec_tokens,
     "sampling": dataclasses.asdict(sampling),
+    "kv_cache_dtype": args.kv_cache_dtype,
+    "kv_scale": kv_cache.get("kv_scale"),  # None: 16-bit pages, no scale
     **run,
   }
   if args.compare:
@@ -312,6 +351,8 @@ def _print_report(result) -> None:
     f"-- {len(result['tokens'])} tokens, {result['tokens_per_s']:.1f} tok/s, "
     f"TTFT {result['ttft_s'] * 1e3:.0f} ms, TPOT {result['tpot_s'] * 1e3:.1f} ms",
   ]
+  if result["kv_cache_dtype"] != "auto":
+    lines.append(f"-- KV pages in {result['kv_cache_dtype']}, scale {result['kv_scale']:g}")
   if result["token_healing"] is not None:
     lines.append(
       f"-- token healing: the prompt's last token {result['token_healing']!r} was removed; the "
@@ -342,6 +383,7 @@ def run_evaluate(args) -> int:
     )
   if not config.num_nextn_predict_layers:
     parser.error(f"{directory} has no MTP layer to evaluate")
+  kv_cache = _kv_cache(parser, args, config)
   try:  # the prompts exist before the weights load
     prompts = held_out_prompts(tokenizer, args.num_prompts, args.prompt_tokens)
   except (OSError, ValueError) as error:
@@ -354,6 +396,7 @@ def run_evaluate(args) -> int:
     prompt_tokens=args.prompt_tokens,
     max_new_tokens=args.max_new_tokens,
     seed=args.seed,
+    **kv_cache,
   )
   rows = evaluate(model, tokenizer, eval_config, progress=not args.json, prompts=prompts)
   print(json.dumps(rows) if args.json else format_table(rows))

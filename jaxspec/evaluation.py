@@ -33,6 +33,9 @@ class EvalConfig:
   max_new_tokens: int = 64
   batch_size: int = 8
   seed: int = 0
+  # The KV pages' dtype and fp8 scale, as `EngineConfig.kv_cache_dtype` / `kv_scale`.
+  kv_cache_dtype: str = "auto"
+  kv_scale: float = 1.0
 
 
 def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
@@ -68,6 +71,8 @@ def evaluate(
     max_batch_size=config.batch_size,
     max_seq_len=config.prompt_tokens + config.max_new_tokens,
     min_prompt_bucket=config.prompt_tokens,
+    kv_cache_dtype=config.kv_cache_dtype,
+    kv_scale=config.kv_scale,
   )
   rows = []
   grid = [(t, k) for t in config.temperatures for k in config.spec_tokens]

@@ -87,3 +87,22 @@ def load_script():
     return module
 
   return load
+
+
+@pytest.fixture
+def record_instances(monkeypatch):
+  """`record_instances(module, "Name")`: `module.Name` becomes a subclass that appends every
+  instance it builds to the returned list (to see what the code under test constructed)."""
+
+  def record(module, name: str) -> list:
+    built = []
+
+    class Recording(getattr(module, name)):
+      def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(module, name, Recording)
+    return built
+
+  return record

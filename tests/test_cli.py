@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxspec.__main__ import DEFAULT_MODEL, _print_report, _sampling, _timed_runs, main
@@ -166,6 +168,15 @@ BAD_ARGUMENTS = {
   "negative seed": (GENERATE + ["--seed", "-1"], "in 0..4294967295"),
   "zero page size": (GENERATE + ["--page-size", "0"], "in 1..1024"),
   "zero repeats": (GENERATE + ["--repeats", "0"], "at least 1"),
+  "unknown KV cache dtype": (GENERATE + ["--kv-cache-dtype", "int8"], "invalid choice: 'int8'"),
+  "KV scale without fp8 pages": (
+    GENERATE + ["--kv-scale", "2"],
+    "--kv-scale applies only with --kv-cache-dtype float8_e4m3fn",
+  ),
+  "zero KV scale": (
+    GENERATE + ["--kv-cache-dtype", "float8_e4m3fn", "--kv-scale", "0"],
+    "must be in (0, inf), got 0",
+  ),
   "empty prompt": (["generate", "--prompt", ""], "encodes to no tokens"),
   "missing tokenizer": (
     GENERATE + ["--model", str(FIXTURE_WITHOUT_TOKENIZER)],
@@ -177,6 +188,10 @@ BAD_ARGUMENTS = {
   "evaluate k zero": (["evaluate", "--spec-tokens", "0"], "in 1..7, got 0"),
   "evaluate NaN temperature": (["evaluate", "--temperatures", "0", "nan"], "finite"),
   "evaluate no prompts": (["evaluate", "--num-prompts", "0"], "at least 1"),
+  "evaluate KV scale without fp8 pages": (
+    ["evaluate", "--kv-scale", "0.5"],
+    "--kv-scale applies only with --kv-cache-dtype float8_e4m3fn",
+  ),
   "evaluate prompts beyond the held-out text": (
     ["evaluate", "--num-prompts", "5000"],
     "fewer than the 5000 x 96",
@@ -234,6 +249,67 @@ def test_bad_argument_is_one_error_line_and_exit_status_2(argv, message, capsys,
   assert len(errors) == 1, stderr
   assert message in errors[0], stderr
   assert "Traceback" not in stderr
+
+
+def test_fp8_kv_pages_of_an_mla_model_are_an_argument_error(tmp_path, capsys, no_weights):
+  # A GLM-5-family (MLA) checkpoint, its vocabulary widened to hold the embedded tokenizer.
+  dsa = ROOT / "tests" / "fixtures" / "glm_moe_dsa_a"
+  config = json.loads((dsa / "config.json").read_text()) | {"vocab_size": 4096}
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  (tmp_path / "tokenizer.json").symlink_to(DEFAULT_MODEL / "tokenizer.json")
+  (tmp_path / "model.safetensors").symlink_to(dsa / "model.safetensors")
+  argv = [*GENERATE, "--model", str(tmp_path), "--kv-cache-dtype", "float8_e4m3fn"]
+  for command in (argv, ["evaluate", *argv[3:]]):
+    with pytest.raises(SystemExit) as exit_info:
+      main(command)
+    assert exit_info.value.code == 2
+    assert "fp8 KV pages serve GQA attention; this model's MLA cache stays 16-bit" in (
+      capsys.readouterr().err
+    )
+
+
+def test_generate_serves_the_kv_cache_dtype_and_scale_asked_for(record_instances, capsys):
+  import jaxspec.__main__ as cli_main
+
+  engines = record_instances(cli_main, "Generator")
+  argv = [*GENERATE, "--max-new-tokens", "3", "--repeats", "1", "--spec-tokens", "0", "--json"]
+  assert main([*argv, "--kv-cache-dtype", "float8_e4m3fn", "--kv-scale", "0.5"]) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert result["kv_cache_dtype"] == "float8_e4m3fn" and result["kv_scale"] == 0.5
+  assert len(result["tokens"]) == 3
+  (engine,) = engines
+  first = engine.cache.layers[0]
+  assert first.k.dtype == jnp.float8_e4m3fn and first.v.dtype == jnp.float8_e4m3fn
+  np.testing.assert_array_equal(np.asarray(first.k_scale), 0.5)
+  _print_report(result)
+  assert "-- KV pages in float8_e4m3fn, scale 0.5" in capsys.readouterr().err
+  # The default keeps the weights' dtype, with no scale.
+  engines.clear()
+  assert main(argv) == 0
+  result = json.loads(capsys.readouterr().out)
+  assert result["kv_cache_dtype"] == "auto" and result["kv_scale"] is None
+  assert engines[0].cache.layers[0].k.dtype == jnp.bfloat16
+  _print_report(result)
+  assert "KV pages" not in capsys.readouterr().err
+
+
+def test_evaluate_passes_the_kv_cache_options_on(monkeypatch, capsys):
+  import jaxspec.__main__ as cli_main
+
+  configs = []
+
+  def recording(model, tokenizer, config, progress, prompts):
+    configs.append(config)
+    return []
+
+  monkeypatch.setattr(cli_main, "evaluate", recording)
+  argv = ["evaluate", "--num-prompts", "2", "--spec-tokens", "1", "--temperatures", "0", "--json"]
+  assert main([*argv, "--kv-cache-dtype", "float8_e4m3fn", "--kv-scale", "2"]) == 0
+  assert main(argv) == 0
+  assert [(c.kv_cache_dtype, c.kv_scale) for c in configs] == [
+    ("float8_e4m3fn", 2.0),
+    ("auto", 1.0),
+  ]
 
 
 def _checkpoint_with_generation_config(tmp_path, generation_config: str):

@@ -1,6 +1,7 @@
 """The held-out acceptance evaluation of the embedded default model."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxspec.__main__ import DEFAULT_MODEL
@@ -37,3 +38,25 @@ def test_trained_draft_head_is_accepted_on_held_out_text(default_model):
   assert row["per_position_acceptance"][0] >= 0.6
   assert row["tokens_per_verify_step"] == pytest.approx(1 + sum(row["per_position_acceptance"]))
   assert "| 0 | 3 |" in format_table([row])
+
+
+def test_evaluate_runs_on_the_kv_pages_asked_for(default_model, record_instances):
+  import jaxspec.evaluation as evaluation
+
+  engines = record_instances(evaluation, "SpeculativeGenerator")
+  model, tokenizer = default_model
+  config = EvalConfig(
+    spec_tokens=(2,),
+    temperatures=(0.0,),
+    num_prompts=2,
+    prompt_tokens=16,
+    max_new_tokens=4,
+    kv_cache_dtype="float8_e4m3fn",
+    kv_scale=0.25,
+  )
+  (row,) = evaluate(model, tokenizer, config, progress=False)
+  assert row["verify_steps"] > 0
+  (engine,) = engines
+  for pages in (*engine.cache.layers, engine.cache.draft):
+    assert pages.k.dtype == jnp.float8_e4m3fn and pages.v.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(pages.v_scale), 0.25)
