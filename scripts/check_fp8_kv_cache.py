@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxspec
+from jaxspec import argtypes
 from jaxspec.__main__ import DEFAULT_MODEL
 from jaxspec.evaluation import EvalConfig, evaluate, held_out_prompts
 from jaxspec.serving.engine import EngineConfig, Generator
@@ -64,10 +65,12 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
   matched = total = 0
   for want, got in zip(reference, other, strict=True):
     total += len(want)
-    differs = [i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b]
-    matched += differs[0] if differs else len(want)
-    if differs:
-      first_differences.append(differs[0])
+    if len(got) != len(want):
+      raise ValueError(f"continuations of {len(want)} and {len(got)} tokens do not compare")
+    first = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
+    matched += len(want) if first is None else first
+    if first is not None:
+      first_differences.append(first)
   return {
     "prompts": len(reference),
     "identical": len(reference) - len(first_differences),
@@ -82,18 +85,13 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("model_dir", nargs="?", type=Path, default=DEFAULT_MODEL)
-  parser.add_argument("--num-prompts", type=int, default=512)
-  parser.add_argument("--prompt-tokens", type=int, default=96)
-  parser.add_argument("--max-new-tokens", type=int, default=64)
-  parser.add_argument("--batch-size", type=int, default=32)
-  parser.add_argument("--kv-scale", type=float, default=1.0)
+  parser.add_argument("--num-prompts", type=argtypes.positive_int, default=512)
+  parser.add_argument("--prompt-tokens", type=argtypes.positive_int, default=96)
+  parser.add_argument("--max-new-tokens", type=argtypes.positive_int, default=64)
+  parser.add_argument("--batch-size", type=argtypes.positive_int, default=32)
+  parser.add_argument("--kv-scale", type=argtypes.float_in(0.0, low_open=True), default=1.0)
   parser.add_argument("--json-out", type=Path)
   args = parser.parse_args(argv)
-  for name in ("num_prompts", "prompt_tokens", "max_new_tokens", "batch_size"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be at least 1")
-  if not 0 < args.kv_scale < float("inf"):
-    parser.error(f"--kv-scale must be a positive finite number, got {args.kv_scale}")
   if not (args.model_dir / "config.json").is_file():
     parser.error(f"{args.model_dir}: no config.json")
 

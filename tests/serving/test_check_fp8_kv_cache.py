@@ -45,9 +45,9 @@ def test_the_check_runs_end_to_end_on_the_embedded_model(script, tmp_path, capsy
 @pytest.mark.parametrize(
   "argv, message",
   [
-    (["--num-prompts", "0"], "--num-prompts must be at least 1"),
-    (["--kv-scale", "0"], "--kv-scale must be a positive finite number"),
-    (["--kv-scale", "nan"], "--kv-scale must be a positive finite number"),
+    (["--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0"),
+    (["--kv-scale", "0"], "argument --kv-scale: must be in (0, inf), got 0"),
+    (["--kv-scale", "nan"], "argument --kv-scale: expected a finite number"),
     (["/nonexistent"], "no config.json"),
   ],
 )

@@ -189,11 +189,11 @@ def test_init_cache_rejects_bad_sizes_and_a_missing_draft_layer():
     model.init_cache(4, 16, draft=True)
 
 
-@pytest.mark.parametrize("kv_scale", [1.0, 0.01])
-def test_fp8_cache_stores_each_key_and_value_to_e4m3_precision(kv_scale):
-  """KV pages in float8_e4m3fn: the cache writer quantises value / kv_scale; read back times the
-  scale, every entry is within e4m3's rounding (3 mantissa bits: relative 2^-4, and the subnormal
-  step 2^-9 near zero) of the float32 cache's entry."""
+def _fp8_prefill(kv_scale: float):
+  """The glm4_moe_a fixture's prompts prefilled into a float32 cache and a float8_e4m3fn one
+  (`kv_scale`): (the fp8 run's pieces, then for every written key and value vector: its fp8
+  entries as float32 [N, Hkv, D], its per-head scales [N, Hkv, 1], the float32 cache's entries
+  [N, Hkv, D])."""
   page_size, total = 4, 11
   model, tokens, _, block_tables, cache32 = _setup("glm4_moe_a", page_size, total, 5)
   graphdef, params = nnx.split(model)
@@ -203,49 +203,46 @@ def test_fp8_cache_stores_each_key_and_value_to_e4m3_precision(kv_scale):
   prompt_lens = np.array([6, 2], np.int32)
   _, cache32 = _prefill(graphdef, params, cache32, tokens[:, :6], prompt_lens, block_tables)
   _, cache8 = _prefill(graphdef, params, cache8, tokens[:, :6], prompt_lens, block_tables)
+  stored, scales, exact = [], [], []
   for pages8, pages32 in zip(cache8.layers, cache32.layers, strict=True):
     chex.assert_type([pages8.k, pages8.v], jnp.float8_e4m3fn)
     pairs = ((pages8.k, pages8.k_scale, pages32.k), (pages8.v, pages8.v_scale, pages32.v))
-    for stored, scale, exact in pairs:
+    for entries, scale, entries32 in pairs:
       for b, n in enumerate(prompt_lens):
         pages = np.asarray(block_tables[b])
         for t in range(n):
           page, offset = pages[t // page_size], t % page_size
-          got = np.asarray(stored[:, page, offset].astype(jnp.float32)) * np.asarray(scale)[:, None]
-          want = np.asarray(exact[:, page, offset])
-          bound = 2.0**-4 * np.abs(want) + 2.0**-9 * kv_scale
-          assert (np.abs(got - want) <= bound).all()
+          stored.append(np.asarray(entries[:, page, offset].astype(jnp.float32)))
+          scales.append(np.asarray(scale)[:, None])
+          exact.append(np.asarray(entries32[:, page, offset]))
+  run = (graphdef, params, cache8, tokens, block_tables, prompt_lens, page_size)
+  return run, np.stack(stored), np.stack(scales), np.stack(exact)
+
+
+@pytest.mark.parametrize("kv_scale", [1.0, 0.01])
+def test_fp8_cache_stores_each_key_and_value_to_e4m3_precision(kv_scale):
+  """KV pages in float8_e4m3fn: the cache writer quantises value / kv_scale; read back times the
+  scale, every entry is within e4m3's rounding (3 mantissa bits: relative 2^-4, and the subnormal
+  step 2^-9 near zero) of the float32 cache's entry."""
+  _, stored, scales, exact = _fp8_prefill(kv_scale)
+  bound = 2.0**-4 * np.abs(exact) + 2.0**-9 * kv_scale
+  assert (np.abs(stored * scales - exact) <= bound).all()
 
 
 def test_fp8_cache_saturates_values_beyond_its_range():
   """A key or value beyond +-448 * kv_scale is stored as +-448 with its sign (saturating, as vLLM
   and FlashInfer write fp8 caches), never NaN: float8_e4m3fn has no infinities, so a plain cast
   stores NaN, and every later attention output of that request would be NaN."""
-  page_size, total, kv_scale = 4, 11, 2.0**-12  # most keys and values overflow at this scale
-  model, tokens, _, block_tables, cache32 = _setup("glm4_moe_a", page_size, total, 5)
-  graphdef, params = nnx.split(model)
-  cache8 = model.init_cache(
-    cache32.num_pages, page_size, dtype=jnp.float8_e4m3fn, kv_scale=kv_scale
-  )
-  prompt_lens = np.array([6, 2], np.int32)
-  _, cache32 = _prefill(graphdef, params, cache32, tokens[:, :6], prompt_lens, block_tables)
-  _, cache8 = _prefill(graphdef, params, cache8, tokens[:, :6], prompt_lens, block_tables)
-  saturated = 0
-  for pages8, pages32 in zip(cache8.layers, cache32.layers, strict=True):
-    for stored, exact in ((pages8.k, pages32.k), (pages8.v, pages32.v)):
-      for b, n in enumerate(prompt_lens):
-        pages = np.asarray(block_tables[b])
-        for t in range(n):
-          page, offset = pages[t // page_size], t % page_size
-          got = np.asarray(stored[:, page, offset].astype(jnp.float32))
-          want = np.asarray(exact[:, page, offset]) / kv_scale
-          over = np.abs(want) > 448
-          np.testing.assert_array_equal(got[over], np.sign(want[over]) * 448)
-          bound = 2.0**-4 * np.abs(want[~over]) + 2.0**-9
-          assert (np.abs(got[~over] - want[~over]) <= bound).all()
-          saturated += over.sum()
-  assert saturated > 0
+  kv_scale = 2.0**-12  # most keys and values overflow at this scale
+  run, stored, _, exact = _fp8_prefill(kv_scale)
+  want = exact / kv_scale
+  over = np.abs(want) > 448
+  assert over.any()
+  np.testing.assert_array_equal(stored[over], np.sign(want[over]) * 448)
+  bound = 2.0**-4 * np.abs(want[~over]) + 2.0**-9
+  assert (np.abs(stored[~over] - want[~over]) <= bound).all()
   # A decode step reads the saturated pages: its logits stay finite.
+  graphdef, params, cache8, tokens, block_tables, prompt_lens, page_size = run
   seq_lens = jnp.asarray(prompt_lens + 1)
   step = decode_metadata(seq_lens, block_tables, 1, page_size, XLA)
   step_tokens = jnp.asarray(tokens[np.arange(2), prompt_lens][:, None])
