@@ -308,6 +308,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("num_stages", 0),
     ("num_chunks", 0),
     ("two_warpgroup_tiles", 1),
+    ("operands_in_registers", "yes"),
     ("balance_waves", 0),
     ("num_sms", 0),
     ("merge_kernel", 1),
@@ -334,6 +335,36 @@ def test_default_config_transposes_scores_up_to_16_rows(q_len, group, kv_dtype, 
   q = jax.ShapeDtypeStruct((2, q_len, 2 * group, 128), BF16)
   pages = jax.ShapeDtypeStruct((2, 64, 16, 128), kv_dtype)
   assert api._default_config(q, pages).transposed_scores == transposed
+
+
+@pytest.mark.parametrize(
+  "q_len, group, kv_dtype, two_warpgroups",
+  [(5, 12, BF16, False), (6, 12, BF16, True), (7, 12, F16, True), (5, 16, BF16, True)]
+  + [(8, 8, BF16, False), (7, 12, FP8, False)],
+)
+def test_default_config_takes_one_128_row_tile_beyond_64_rows(
+  q_len, group, kv_dtype, two_warpgroups
+):
+  """The measured policy: more than 64 packed rows on 16-bit pages run one 128-row tile of two
+  warpgroups (fp8 pages keep 64-row tiles, which the two-warpgroup tile does not serve)."""
+  assert default_config(128, 16, kv_dtype, q_len * group).two_warpgroup_tiles == two_warpgroups
+  assert not default_config(128, 16, kv_dtype).two_warpgroup_tiles  # rows unknown
+  q = jax.ShapeDtypeStruct((32, q_len, 2 * group, 128), BF16)  # 64 (request, KV head) pairs
+  pages = jax.ShapeDtypeStruct((2, 64, 16, 128), kv_dtype)
+  assert api._default_config(q, pages).two_warpgroup_tiles == two_warpgroups
+
+
+@pytest.mark.parametrize("batch, registers", [(1, False), (31, False), (32, True), (64, True)])
+def test_default_config_keeps_operands_in_shared_memory_for_few_pairs(batch, registers):
+  """The measured policy: below 64 (request, KV head) pairs (one request: each work item gets a
+  few blocks of the split KV) Q and P go through shared memory and more than 64 rows take
+  64-row tiles; from 64 pairs on, registers and one 128-row tile."""
+  q = jax.ShapeDtypeStruct((batch, 7, 24, 128), BF16)  # G 12, 84 packed rows
+  pages = jax.ShapeDtypeStruct((2, 64, 16, 128), BF16)
+  config = api._default_config(q, pages)
+  assert config.operands_in_registers == registers
+  assert config.two_warpgroup_tiles == registers
+  assert default_config(128, 16, BF16, num_rows=84).operands_in_registers  # pairs unknown
 
 
 @pytest.mark.parametrize("head_dim, stages", [(128, 2), (64, 6)])
@@ -701,6 +732,24 @@ LOWERING_CASES = [
   # id, (B, q_len, Hq, D), (Hkv, num_pages, page, D), max_pages, q dtype, pages' dtype, config
   ("bf16 G8 q7", (4, 7, 16, 128), (2, 64, 16, 128), 16, BF16, BF16, None),
   ("f16 G12 q6 two tiles", (2, 6, 24, 64), (2, 32, 64, 64), 4, F16, F16, None),
+  (
+    "bf16 G8 q7 operands in shared memory",
+    (4, 7, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    BF16,
+    TuningConfig(operands_in_registers=False, num_stages=2),
+  ),
+  (
+    "fp8 G8 q3 operands in shared memory",
+    (4, 3, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    FP8,
+    TuningConfig(operands_in_registers=False, num_stages=2),
+  ),
   (
     "bf16 two warpgroups",
     (2, 7, 12, 128),

@@ -168,7 +168,11 @@ def _require_device_contract(block_tables, seq_lens, num_pages: int, page_size: 
 
 def _default_config(q, k_pages, *_, **__) -> mosaic_gpu.TuningConfig:
   return mosaic_gpu.default_config(
-    q.shape[-1], k_pages.shape[2], k_pages.dtype, mosaic_gpu.packed_rows(q, k_pages)
+    q.shape[-1],
+    k_pages.shape[2],
+    k_pages.dtype,
+    num_rows=mosaic_gpu.packed_rows(q, k_pages),
+    num_pairs=q.shape[0] * k_pages.shape[0],
   )
 
 

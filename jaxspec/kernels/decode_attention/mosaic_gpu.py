@@ -60,6 +60,17 @@ small N (plain decoding: one row per query head); from 24 rows on it measured
 equal or slower than the 64-row tiles (``default_config``; the reductions
 across warps are the suspect, not yet profiled).
 
+Operands in registers (``TuningConfig.operands_in_registers``, row tiles, natively): Q is
+loaded once per work item into the wgmma register layout and is the A operand of every
+``Q K^T``; P, cast to the compute dtype, is the A operand of ``P V`` straight from the
+softmax's registers, and ``P V`` accumulates onto the rescaled output (jax's
+``attention_mgpu.py`` does both). Per step that spares the shared-memory reads of Q and the
+store and reads of P: H200, B64 L32k, 1.03-1.05x at G 12 q_len 6/7, 1.05-1.08x at D 64,
+1.08-1.09x with fp8 pages, 1.01x at G 8 (``benchmarks/NOTES_decode_attention.md``, version 9);
+at one request (B1 L8k) it was slower, so ``default_config`` keeps shared memory there. GPU
+interpret mode only models shared-memory operands and fresh accumulators, so there Q and P go
+through shared memory as before; the native GPU tests cover the register form.
+
 Pages a request may not attend (``reference.py`` states the rule): a page past
 the request's length (or the table's capacity) or with an id outside
 ``[0, num_pages)`` is never copied; a plain barrier arrival stands in for its
@@ -126,6 +137,10 @@ DEFAULT_BALANCE_WAVES = 4
 # fp8 work items per SM that default_config sizes the ring for: each step's conversions sit on
 # its single warpgroup's critical path, so more resident items hide more of them.
 FP8_ITEMS_PER_SM = 3
+# default_config's operands in registers (and 128-row tiles): from this many (request, KV head)
+# pairs. H200: 64 pairs (B8, Hkv 8) and more ran faster with them, 8 pairs (B1) slower, where the
+# split KV leaves each work item a few blocks (benchmarks/NOTES_decode_attention.md, version 9).
+DEFAULT_REGISTER_OPERANDS_MIN_PAIRS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +156,11 @@ class TuningConfig:
       slots once (see ``default_num_chunks``).
     two_warpgroup_tiles: when ``G * q_len > 64``, serve all rows of a pair
       with one 128-row tile of two warpgroups that share each K/V block,
-      instead of 64-row tiles that each read the KV. Off by default until it
-      is validated on the H200.
+      instead of 64-row tiles that each read the KV. 16-bit pages only;
+      ``default_config`` turns it on where the rows call for it.
+    operands_in_registers: row tiles give Q and P to wgmma from registers and accumulate
+      ``P V`` onto the output (module docstring, "Operands in registers"); otherwise both go
+      through shared memory. Native runs only: GPU interpret mode always takes shared memory.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
       ``O^T = V^T P^T`` with the packed rows as the wgmma N dimension, rounded
       up to 8 instead of 64 (module docstring, "Transposed scores"): one tile
@@ -175,6 +193,7 @@ class TuningConfig:
   merge_kernel: bool = False
   fp8_8bit_layout: bool = False
   transposed_scores: bool = False
+  operands_in_registers: bool = True
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -190,17 +209,22 @@ class TuningConfig:
       not isinstance(self.balance_waves, int) or self.balance_waves < 1
     ):
       raise ValueError(f"balance_waves must be a positive int or None, got {self.balance_waves!r}")
-    for name in ("merge_kernel", "fp8_8bit_layout", "transposed_scores"):
+    for name in ("merge_kernel", "fp8_8bit_layout", "transposed_scores", "operands_in_registers"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 def default_config(
-  head_dim: int, page_size: int, kv_dtype=jnp.bfloat16, num_rows: int | None = None
+  head_dim: int,
+  page_size: int,
+  kv_dtype=jnp.bfloat16,
+  num_rows: int | None = None,
+  num_pairs: int | None = None,
 ) -> TuningConfig:
   """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves, and
   transposed scores for up to ``DEFAULT_TRANSPOSED_MAX_ROWS`` packed rows (``G * q_len``, when
-  given).
+  given). With ``num_pairs`` (``B * Hkv``) below ``DEFAULT_REGISTER_OPERANDS_MIN_PAIRS``, Q and
+  P go through shared memory and more than 64 rows take 64-row tiles.
 
   On the H200 a small ring that lets two work items share an SM beat a deep
   ring with one (B64 L32k q7: 2 stages 4.0 TB/s, 4 stages 3.2 TB/s). One chunk
@@ -218,9 +242,18 @@ def default_config(
   equal or slower, 0.67x at 56 rows. With fp8 pages (same ring, D 128): at 8 rows 1.47x at B64
   L32k (1403 against 2062 us) and 1.44x at B8 L32k, at 16 rows 1.13x at B64 L32k, at 24 rows
   0.87x, at 56 rows 0.59x.
+
+  More than 64 packed rows with 16-bit pages take the 128-row two-warpgroup tile: once Q and P
+  reached wgmma from registers it ran G 12 q_len 6/7 at B64 L32k in 3086 / 3129 us against
+  3643 / 3625 us with two 64-row tiles (1.16-1.18x) and q_len 7 at B8 L32k in 410 against 459 us
+  (H200, same process; ``benchmarks/NOTES_decode_attention.md``, version 9). At one request
+  (B1 L8k, 8 pairs, each work item a few blocks) both were slower: G 8 q_len 7 17.7 against
+  16.4 us with registers, G 12 q_len 6 20.6 us with registers and 24.2 us with the 128-row tile
+  against 17.8 us, hence the threshold on the pairs.
   """
   block_kv = max(64, page_size)
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
+  many_pairs = num_pairs is None or num_pairs >= DEFAULT_REGISTER_OPERANDS_MIN_PAIRS
   block_bytes = 2 * block_kv * head_dim * kv_itemsize  # one stage: a K and a V block
   ring_budget = 64 * 1024
   if kv_itemsize == 1:
@@ -232,6 +265,11 @@ def default_config(
     balance_waves=DEFAULT_BALANCE_WAVES,
     fp8_8bit_layout=kv_itemsize == 1,
     transposed_scores=num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS,
+    # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once.
+    two_warpgroup_tiles=(
+      many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE and kv_itemsize == 2
+    ),
+    operands_in_registers=many_pairs,
   )
 
 
@@ -239,7 +277,11 @@ def smem_bytes(
   head_dim: int, config: TuningConfig, rows: int = ROWS_PER_TILE, kv_itemsize=2
 ) -> int:
   """Shared memory of one work item: the K/V ring (and, for fp8 pages, the float16 block K and
-  then V is converted into), and the Q/output and P tiles of its ``rows`` (all warpgroups')."""
+  then V is converted into), and the Q/output and P tiles of its ``rows`` (all warpgroups').
+
+  Row tiles keep P in registers on the GPU (module docstring), so there the count is 8 KiB
+  above what they allocate; the plans built on it (resident items per SM, the fp8 ring depth)
+  were measured with it."""
   ring = 2 * config.num_stages * config.block_kv * head_dim * kv_itemsize
   staging = config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
   return ring + staging + rows * (head_dim + config.block_kv) * 2 + rows * 4
@@ -385,6 +427,10 @@ def paged_decode_attention_mosaic_gpu(
   acc_shape = (head_dim, tile_rows) if transposed else (tile_rows, head_dim)
   # Register layout of the fp8 blocks on their way to the staging blocks.
   fp8_layout = plgpu.Layout.WGMMA_8BIT if config.fp8_8bit_layout else plgpu.Layout.WGMMA
+  # Row tiles give Q and P to wgmma from registers (A operands), which halves the shared-memory
+  # reads of Q K^T's operands and spares P's store; the GPU interpreter only models
+  # shared-memory operands.
+  operands_in_registers = config.operands_in_registers and not transposed and not interpret
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -410,13 +456,16 @@ def paged_decode_attention_mosaic_gpu(
       qo_smem,  # [(warpgroups,) 64, D], Q tile, then the output tile
       k_smem,  # [num_stages, block_kv, D], pages' dtype
       v_smem,  # [num_stages, block_kv, D], pages' dtype
-      p_smem,  # [(warpgroups,) 64, block_kv], probabilities of the current block
       lse_smem,  # f32 [(warpgroups,) 64]
       q_barrier,  # [(warpgroups,)]
       k_barriers,  # [num_stages], one arrival per page copy
       v_barriers,
-      *extra_scratch,  # fp8: the staging block; two warpgroups: consumed, v_zeroed
+      *extra_scratch,  # P tile (p_smem, where P goes through shared memory); fp8: the staging
+      # block; two warpgroups: consumed, v_zeroed
     ) = refs
+    extra_scratch = iter(extra_scratch)
+    # [(warpgroups,) rows, block_kv], the probabilities of the current block
+    p_smem = None if operands_in_registers else next(extra_scratch)
     kv_head = lax.axis_index("kv_head")
     row_tile = lax.axis_index("row_tile")
     item = lax.axis_index("item")
@@ -424,7 +473,7 @@ def paged_decode_attention_mosaic_gpu(
     chunk = lax.rem(item, num_chunks)
     row_base = row_tile * rows_per_tile
     if fp8:
-      (staging,) = extra_scratch  # f16 [block_kv, D]: the step's K block, then its V block
+      staging = next(extra_scratch)  # f16 [block_kv, D]: the step's K block, then its V block
       # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
       q_scale = q_scale_ref[request, kv_head, row_tile]
       qk_scale = k_scale_ref[kv_head] * q_scale * base_qk_scale
@@ -434,7 +483,8 @@ def paged_decode_attention_mosaic_gpu(
       consumed_barriers, v_zeroed_barrier = extra_scratch
       wg = lax.axis_index("wg")
       row_base = row_base + wg * tile_rows
-      qo_smem, p_smem, lse_smem = qo_smem.at[wg], p_smem.at[wg], lse_smem.at[wg]
+      qo_smem, lse_smem = qo_smem.at[wg], lse_smem.at[wg]
+      p_smem = None if p_smem is None else p_smem.at[wg]
       q_barrier = q_barrier.at[wg]
 
     def when_issuer(condition):
@@ -543,7 +593,7 @@ def paged_decode_attention_mosaic_gpu(
         if transposed:  # S^T = K Q^T
           plgpu.wgmma(acc_ref, k_block, qo_smem.transpose((1, 0)))
         else:  # S = Q K^T
-          plgpu.wgmma(acc_ref, qo_smem, k_block.transpose((1, 0)))
+          plgpu.wgmma(acc_ref, q_tile, k_block.transpose((1, 0)))
         return acc_ref[...]
 
       qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
@@ -588,25 +638,39 @@ def paged_decode_attention_mosaic_gpu(
           def _await_zeroed():
             plgpu.barrier_wait(v_zeroed_barrier)
 
-      # P goes through shared memory: the wgmma A operand is read from there
-      # (the GPU interpreter only models that form); transposed, P^T is the B operand, kept as
-      # P [N, block_kv] (K-major, the 128-byte swizzle of the A operand V^T).
+      # P is the A operand of O = P V, from registers; transposed, P^T is the B operand, stored
+      # as P [N, block_kv] (K-major, the 128-byte swizzle of the A operand V^T). The GPU
+      # interpreter only models shared-memory operands, so there P goes through p_smem too.
       if transposed:
         p_smem.transpose((1, 0))[...] = p.astype(compute_dtype)
+        p_operand = p_smem.transpose((1, 0))
+      elif operands_in_registers:
+        p_operand = p.astype(compute_dtype)
       else:
         p_smem[...] = p.astype(compute_dtype)
-      plgpu.commit_smem()  # also orders this step's reads of the slot before its refill
+        p_operand = p_smem
+      if fp8 or not operands_in_registers or transposed:
+        # Makes P and the staged V visible to the tensor cores, and orders this step's reads of
+        # the slot before its refill.
+        plgpu.commit_smem()
       if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
 
       def compute_pv(pv_ref):
         if transposed:  # O^T = V^T P^T
-          plgpu.wgmma(pv_ref, v_block.transpose((1, 0)), p_smem.transpose((1, 0)))
+          plgpu.wgmma(pv_ref, v_block.transpose((1, 0)), p_operand)
         else:  # O = P V
-          plgpu.wgmma(pv_ref, p_smem, v_block)
-        return pv_ref[...]
+          plgpu.wgmma(pv_ref, p_operand, v_block)
 
-      acc = acc + pl.run_scoped(compute_pv, plgpu.ACC(acc_shape, jnp.float32))
+      if not operands_in_registers:  # into a fresh accumulator (the only form interpret runs)
+
+        def fresh_pv(pv_ref):
+          compute_pv(pv_ref)
+          return pv_ref[...]
+
+        acc = acc + pl.run_scoped(fresh_pv, plgpu.ACC(acc_shape, jnp.float32))
+      else:  # onto the rescaled output, as jax's attention_mgpu.py does: no second accumulator
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
       if fp8:
         pass  # refilled above
       elif warpgroups == 1:
@@ -644,6 +708,9 @@ def paged_decode_attention_mosaic_gpu(
     l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
     acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
     pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
+    # Row tiles take Q as the A operand of S = Q K^T from registers, loaded once per work item
+    # (an item without work loads stale values it never uses).
+    q_tile = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA) if operands_in_registers else qo_smem
     acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
 
     # Rows that saw nothing have l = 0 and acc = 0. NaN in a row's visible K/V makes l NaN:
@@ -673,12 +740,15 @@ def paged_decode_attention_mosaic_gpu(
     plgpu.SMEM((*per_warpgroup, tile_rows, head_dim), compute_dtype, transforms=transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
     plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
-    plgpu.SMEM((*per_warpgroup, tile_rows, block_kv), compute_dtype, transforms=transforms),
     plgpu.SMEM((*per_warpgroup, tile_rows), jnp.float32),
     plgpu.Barrier(num_barriers=warpgroups) if warpgroups > 1 else plgpu.Barrier(),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
   ]
+  if not operands_in_registers:  # the P tile
+    scratch.append(
+      plgpu.SMEM((*per_warpgroup, tile_rows, block_kv), compute_dtype, transforms=transforms)
+    )
   if fp8:  # the float16 staging block
     scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
   if warpgroups > 1:
