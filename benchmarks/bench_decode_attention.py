@@ -48,7 +48,7 @@ the XLA merge where the KV is split; the 128-row two-warpgroup tile at G 12, L 3
 ``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
 ``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
 128-row tile of two warpgroups (``TuningConfig.two_warpgroup_tiles``), at B8 and
-B64, L 8k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json,md}``.
+B64, L 8k and 32k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json,md}``.
 
 ``--transposed-check`` instead times our kernel with 64-row tiles against transposed scores
 (``TuningConfig.transposed_scores``) on the shapes where we trail FlashInfer or read the KV
@@ -89,6 +89,7 @@ from benchmarks._timing import time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.decode_attention.api import paged_decode_attention  # noqa: E402
 from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
   DEFAULT_BALANCE_WAVES,
+  DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
   DEFAULT_TRANSPOSED_MAX_ROWS,
   TuningConfig,
   default_config,
@@ -635,8 +636,11 @@ def render_config_check(title, meta, rows) -> str:
 
 def two_warpgroup_check(rng, out_dir, smoke=False):
   """G 12: default 64-row tiles against one 128-row tile of two warpgroups."""
-  shapes = [("B8 L8k", [8192] * 8, (6, 7), 12, HEAD_DIM, False)]
-  shapes += [("B64 L8k", [8192] * 64, (6, 7), 12, HEAD_DIM, False)]
+  shapes = [
+    (f"B{b} L{length // 1024}k", [length] * b, (6, 7), 12, HEAD_DIM, False)
+    for length in (8192, 32768)
+    for b in (8, 64)
+  ]
   if smoke:
     shapes = [("B2 L200", [200, 77], (6, 7), 12, HEAD_DIM, False)]
   config_check(
@@ -826,6 +830,7 @@ def main():
     "default_config": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE)),
     "default_config_fp8": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE, FP8)),
     "default_transposed_max_rows": DEFAULT_TRANSPOSED_MAX_ROWS,
+    "default_register_operands_min_pairs": DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
   }
   rows, tuning = [], []
   name = "decode_attention_tuning" if args.tune else "decode_attention"
@@ -995,7 +1000,15 @@ def render_markdown(meta, rows, tuning):
     )
     + f"); transposed scores (transposed_scores=True) for up to "
     f"{meta.get('default_transposed_max_rows', 'n/a')} packed rows (G x q_len), 16-bit or "
-    "fp8 pages. Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
+    "fp8 pages"
+    + (
+      f"; from {pairs} (request, KV head) pairs Q and P reach wgmma from registers "
+      "(operands_in_registers=True) and more than 64 rows on 16-bit pages take one 128-row tile "
+      "(two_warpgroup_tiles=True), below that operands_in_registers=False"
+      if (pairs := meta.get("default_register_operands_min_pairs"))
+      else ""
+    )
+    + ". Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "
     "faster). 'diff vs XLA' is the largest |ours - XLA reference| on the first input over the "
     f"first {XLA_CHECK_REQUESTS} requests; 'diff vs FlashInfer' over the whole first input.",
     f"Whole run: {meta.get('elapsed_s', 0):.0f} s."
