@@ -55,6 +55,11 @@ B64, L 8k and 32k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json
 twice (``results/decode_attention_transposed.{json,md}``); ``--fp8-transposed-check`` the same on
 fp8 pages at B8 and B64 L32k (``results/decode_attention_fp8_transposed.{json,md}``).
 
+``--register-check`` instead times our row tiles with Q and P in registers against shared
+memory (``TuningConfig.operands_in_registers``) at B1, B2, B4 and B8, L 8k and 32k, G 8 q_len 3/7
+and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs should lie
+(``results/decode_attention_register_operands.{json,md}``).
+
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
 its CUPTI time, next to the steady-state time per call: where the time of small shapes goes.
@@ -654,6 +659,28 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
   )
 
 
+def register_check(rng, out_dir, smoke=False):
+  """Row tiles with Q and P in registers (default, without the pair count) against shared
+  memory, at the small batches where ``DEFAULT_REGISTER_OPERANDS_MIN_PAIRS`` draws its line."""
+  shapes = [
+    (f"B{b} L{length // 1024}k", [length] * b, q_lens, group, HEAD_DIM, False)
+    for length in (8192, 32768)
+    for b in (1, 2, 4, 8)
+    for group, q_lens in ((GROUP, (3, 7)), (GLM_GROUP, (6,)))
+  ]
+  if smoke:
+    shapes = [("B2 L200", [200, 77], (3,), GROUP, HEAD_DIM, False)]
+  config_check(
+    rng,
+    out_dir,
+    "decode_attention_register_operands",
+    "Q and P through shared memory (variant) against registers (default), 64-row tiles",
+    lambda config: dataclasses.replace(config, operands_in_registers=False),
+    shapes,
+    smoke,
+  )
+
+
 def transposed_check(rng, out_dir, smoke=False, fp8=False):
   """Transposed scores (rows as the wgmma N dimension) against row tiles of 64, over the shapes
   of the main run where we trail FlashInfer or read the KV more than once; with ``fp8``, on fp8
@@ -771,6 +798,12 @@ def main():
     action="store_true",
     help="only: the same on fp8 pages (decode_attention_fp8_transposed.*)",
   )
+  parser.add_argument(
+    "--register-check",
+    action="store_true",
+    help="only: Q and P in registers against shared memory at B1-B8 "
+    "(decode_attention_register_operands.*)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
@@ -794,6 +827,9 @@ def main():
   out_dir.mkdir(parents=True, exist_ok=True)
   if args.two_warpgroup_check:
     two_warpgroup_check(rng, out_dir, smoke=args.smoke)
+    return
+  if args.register_check:
+    register_check(rng, out_dir, smoke=args.smoke)
     return
   if args.transposed_check or args.fp8_transposed_check:
     transposed_check(rng, out_dir, smoke=args.smoke, fp8=args.fp8_transposed_check)
