@@ -60,6 +60,10 @@ memory (``TuningConfig.operands_in_registers``) at B1, B2, B4 and B8, L 8k and 3
 and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs should lie
 (``results/decode_attention_register_operands.{json,md}``).
 
+``--fp8-keys-check`` instead times fp8 pages with transposed scores (q_len 1 and 3, G 8 and 12,
+D 128 and 64) with K through the float16 staging block against K converted in registers
+(``TuningConfig.fp8_keys_in_registers``; ``results/decode_attention_fp8_keys_in_registers.*``).
+
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
 its CUPTI time, next to the steady-state time per call: where the time of small shapes goes.
@@ -534,8 +538,9 @@ def benchmark_shapes(rng, quick: bool, flashinfer: bool, smoke: bool) -> list[Sh
   return shapes
 
 
-def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False):
-  """Our kernel under its default config against ``variant(default)``, on the same inputs.
+def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=None):
+  """Our kernel under its default config (``base = (description, function)``: ``function`` of
+  it, when given) against ``variant`` of that, on the same inputs.
 
   ``shapes``: ``(name, seq_lens, q_lens, G, D, fp8)``. Also reports the largest difference
   between the two outputs on one input (bf16 rounding of differently split chunks, ~1e-2; a
@@ -550,10 +555,13 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False):
     "setup": f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
     + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
     "configs": {},
+    "base": base[0] if base else None,
   }
   rows = []
   for name, seq_lens, q_lens, group, head_dim, fp8 in shapes:
     old_config = default_config(head_dim, PAGE_SIZE, FP8 if fp8 else DTYPE)
+    if base is not None:
+      old_config = base[1](old_config)
     if smoke:  # interpret mode: tiny and unsplit
       old_config = dataclasses.replace(old_config, num_chunks=1)
     new_config = variant(old_config)
@@ -622,8 +630,9 @@ def render_config_check(title, meta, rows) -> str:
     f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}. "
     "Time per call / effective KV TB/s (unique KV bytes, in the pages' dtype, / time); "
     f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets. 'default' is "
-    "`default_config(D, page, pages' dtype)` without the packed-row count (so 64-row tiles), "
-    "'variant' the config under test; both per shape in the JSON file.",
+    "`default_config(D, page, pages' dtype)` without the packed-row count (so 64-row tiles)"
+    + (f", then {meta['base']}" if meta.get("base") else "")
+    + ", 'variant' the config under test; both per shape in the JSON file.",
     "",
     "| shape | q_len | G | D | default | variant | speedup | max abs difference |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -721,6 +730,31 @@ def transposed_check(rng, out_dir, smoke=False, fp8=False):
   )
 
 
+def fp8_keys_check(rng, out_dir, smoke=False):
+  """fp8 pages with transposed scores: K blocks through the float16 staging block against K
+  converted in registers (``TuningConfig.fp8_keys_in_registers``)."""
+  shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
+    ("B64 L32k", [32768] * 64, (1, 3), GROUP, HEAD_DIM, True),
+    ("B8 L32k", [32768] * 8, (1,), GROUP, HEAD_DIM, True),
+    ("B64 L32k", [32768] * 64, (1,), GLM_GROUP, HEAD_DIM, True),
+    ("B64 L32k", [32768] * 64, (1,), GROUP, 64, True),
+  ]
+  smoke_shapes = [("B2 L200", [200, 77], (1, 2), GROUP, HEAD_DIM, True)]
+  config_check(
+    rng,
+    out_dir,
+    "decode_attention_fp8_keys_in_registers",
+    "fp8 pages, transposed scores: K converted in registers (variant) against the staging block",
+    lambda config: dataclasses.replace(config, fp8_keys_in_registers=True),
+    smoke_shapes if smoke else shapes,
+    smoke,
+    base=(
+      "transposed_scores=True",
+      lambda config: dataclasses.replace(config, transposed_scores=True),
+    ),
+  )
+
+
 def breakdown(rng, out_dir):
   """CUPTI time of every kernel of one call of ours, and the steady-state time per call."""
   from jax.experimental.mosaic.gpu import profiler
@@ -804,6 +838,12 @@ def main():
     help="only: Q and P in registers against shared memory at B1-B8 "
     "(decode_attention_register_operands.*)",
   )
+  parser.add_argument(
+    "--fp8-keys-check",
+    action="store_true",
+    help="only: fp8 K through the staging block against registers "
+    "(decode_attention_fp8_keys_in_registers.*)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
@@ -827,6 +867,9 @@ def main():
   out_dir.mkdir(parents=True, exist_ok=True)
   if args.two_warpgroup_check:
     two_warpgroup_check(rng, out_dir, smoke=args.smoke)
+    return
+  if args.fp8_keys_check:
+    fp8_keys_check(rng, out_dir, smoke=args.smoke)
     return
   if args.register_check:
     register_check(rng, out_dir, smoke=args.smoke)
