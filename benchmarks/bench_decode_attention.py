@@ -60,9 +60,9 @@ memory (``TuningConfig.operands_in_registers``) at B1, B2, B4 and B8, L 8k and 3
 and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs should lie
 (``results/decode_attention_register_operands.{json,md}``).
 
-``--fp8-keys-check`` instead times fp8 pages with transposed scores (q_len 1 and 3, G 8 and 12,
-D 128 and 64) with K through the float16 staging block against K converted in registers
-(``TuningConfig.fp8_keys_in_registers``; ``results/decode_attention_fp8_keys_in_registers.*``).
+``--fp8-registers-check`` instead times fp8 pages with transposed scores (q_len 1 and 3, G 8 and
+12, D 128 and 64) with K and V through the float16 staging block against both converted in
+registers (``TuningConfig.fp8_in_registers``; ``results/decode_attention_fp8_in_registers.*``).
 
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
@@ -730,9 +730,9 @@ def transposed_check(rng, out_dir, smoke=False, fp8=False):
   )
 
 
-def fp8_keys_check(rng, out_dir, smoke=False):
-  """fp8 pages with transposed scores: K blocks through the float16 staging block against K
-  converted in registers (``TuningConfig.fp8_keys_in_registers``)."""
+def fp8_registers_check(rng, out_dir, smoke=False):
+  """fp8 pages with transposed scores: K and V blocks through the float16 staging block against
+  both converted in registers (``TuningConfig.fp8_in_registers``)."""
   shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
     ("B64 L32k", [32768] * 64, (1, 3), GROUP, HEAD_DIM, True),
     ("B8 L32k", [32768] * 8, (1,), GROUP, HEAD_DIM, True),
@@ -743,9 +743,10 @@ def fp8_keys_check(rng, out_dir, smoke=False):
   config_check(
     rng,
     out_dir,
-    "decode_attention_fp8_keys_in_registers",
-    "fp8 pages, transposed scores: K converted in registers (variant) against the staging block",
-    lambda config: dataclasses.replace(config, fp8_keys_in_registers=True),
+    "decode_attention_fp8_in_registers",
+    "fp8 pages, transposed scores: K and V converted in registers (variant) against the staging "
+    "block",
+    lambda config: dataclasses.replace(config, fp8_in_registers=True),
     smoke_shapes if smoke else shapes,
     smoke,
     base=(
@@ -839,10 +840,10 @@ def main():
     "(decode_attention_register_operands.*)",
   )
   parser.add_argument(
-    "--fp8-keys-check",
+    "--fp8-registers-check",
     action="store_true",
-    help="only: fp8 K through the staging block against registers "
-    "(decode_attention_fp8_keys_in_registers.*)",
+    help="only: fp8 K and V through the staging block against registers "
+    "(decode_attention_fp8_in_registers.*)",
   )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
@@ -868,8 +869,8 @@ def main():
   if args.two_warpgroup_check:
     two_warpgroup_check(rng, out_dir, smoke=args.smoke)
     return
-  if args.fp8_keys_check:
-    fp8_keys_check(rng, out_dir, smoke=args.smoke)
+  if args.fp8_registers_check:
+    fp8_registers_check(rng, out_dir, smoke=args.smoke)
     return
   if args.register_check:
     register_check(rng, out_dir, smoke=args.smoke)

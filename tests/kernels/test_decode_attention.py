@@ -148,7 +148,7 @@ FP8_CASES = [
 # multiple of 8 (G 3, q_len 5: N 16), 84 rows in one tile (G 12, q_len 7: N 88), 128 rows (the
 # most one tile takes), more than 128 (back to 64-row tiles), fp8 pages, 128-position blocks
 # (pages of 64 and 128), chunking with the balanced plan, ring refills, rows that see nothing and
-# padding slots; fp8 keys converted in registers (TuningConfig.fp8_keys_in_registers).
+# padding slots; fp8 K and V converted in registers (TuningConfig.fp8_in_registers).
 TRANSPOSED_CASES = [
   KernelCase(
     seq_lens, q_len, hkv, g, d, page, dtype, dataclasses.replace(cfg, transposed_scores=True), fp8
@@ -173,8 +173,8 @@ TRANSPOSED_CASES = [
     ((130, 3, 64), 7, 1, 12, 128, 32, BF16, TuningConfig(num_stages=2, num_chunks=2), True),
     ((70, 1), 1, 2, 8, 64, 16, F16, TuningConfig(num_stages=1, fp8_8bit_layout=True), True),
     ((300, 129, 0), 1, 1, 8, 128, 128, BF16, TuningConfig(block_kv=128, num_stages=2), False),
-    # fp8 keys converted in registers (natively; interpret mode stages them as before)
-    ((70, 1), 1, 2, 8, 64, 16, F16, TuningConfig(num_stages=1, fp8_keys_in_registers=True), True),
+    # fp8 K and V converted in registers (natively; interpret mode stages them as before)
+    ((70, 1), 1, 2, 8, 64, 16, F16, TuningConfig(num_stages=1, fp8_in_registers=True), True),
     (
       (200, 4, 0, 65),
       2,
@@ -183,7 +183,7 @@ TRANSPOSED_CASES = [
       128,
       32,
       BF16,
-      TuningConfig(num_stages=2, num_chunks=2, fp8_keys_in_registers=True),
+      TuningConfig(num_stages=2, num_chunks=2, fp8_in_registers=True),
       True,
     ),
   ]
@@ -312,10 +312,10 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
   with pytest.raises(ValueError, match="merge_kernel serves 64-row tiles only"):
     paged_decode_attention(*inputs.arrays, impl="pallas", interpret=True, config=config)
   check(paged_decode_attention(*inputs.arrays, impl="auto", interpret=True, config=config), inputs)
-  # fp8 keys in registers take 64-position blocks only: refused at 128, auto takes XLA.
+  # fp8 blocks in registers take 64-position blocks only: refused at 128, auto takes XLA.
   inputs = make_inputs(rng, [9, 20], 1, 1, 8, 64, 16, BF16, fp8=True)
-  config = TuningConfig(block_kv=128, transposed_scores=True, fp8_keys_in_registers=True)
-  with pytest.raises(ValueError, match="fp8_keys_in_registers needs block_kv 64"):
+  config = TuningConfig(block_kv=128, transposed_scores=True, fp8_in_registers=True)
+  with pytest.raises(ValueError, match="fp8_in_registers needs block_kv 64"):
     paged_decode_attention(
       *inputs.arrays, impl="pallas", interpret=True, config=config, **inputs.scales
     )
@@ -333,7 +333,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("num_chunks", 0),
     ("two_warpgroup_tiles", 1),
     ("operands_in_registers", "yes"),
-    ("fp8_keys_in_registers", 0),
+    ("fp8_in_registers", 0),
     ("balance_waves", 0),
     ("num_sms", 0),
     ("merge_kernel", 1),
@@ -814,22 +814,22 @@ LOWERING_CASES = [
     TuningConfig(transposed_scores=True, num_stages=2),
   ),
   (
-    "fp8 bf16 G8 q1 keys in registers",
+    "fp8 bf16 G8 q1 K and V in registers",
     (4, 1, 16, 128),
     (2, 64, 16, 128),
     16,
     BF16,
     FP8,
-    TuningConfig(transposed_scores=True, fp8_keys_in_registers=True, num_stages=2),
+    TuningConfig(transposed_scores=True, fp8_in_registers=True, num_stages=2),
   ),
   (
-    "fp8 f16 G12 q1 D64 keys in registers",
+    "fp8 f16 G12 q1 D64 K and V in registers",
     (3, 1, 24, 64),
     (2, 64, 32, 64),
     8,
     F16,
     FP8,
-    TuningConfig(transposed_scores=True, fp8_keys_in_registers=True, num_stages=4),
+    TuningConfig(transposed_scores=True, fp8_in_registers=True, num_stages=4),
   ),
   (
     "bf16 G12 q6 merge kernel",

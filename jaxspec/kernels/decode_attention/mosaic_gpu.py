@@ -161,11 +161,12 @@ class TuningConfig:
     operands_in_registers: row tiles give Q and P to wgmma from registers and accumulate
       ``P V`` onto the output (module docstring, "Operands in registers"); otherwise both go
       through shared memory. Native runs only: GPU interpret mode always takes shared memory.
-    fp8_keys_in_registers: fp8 pages with transposed scores and ``block_kv`` 64: each K block is
-      converted to float16 in registers and is the A operand of ``S^T = K Q^T`` itself, instead
-      of going through the float16 staging block, which then holds V only (a store and a read
-      of 16 KiB fewer per step at D 128). Native runs only, as ``operands_in_registers``. Off by
-      default: not yet measured on the H200.
+    fp8_in_registers: fp8 pages with transposed scores and ``block_kv`` 64: each K block is
+      converted to float16 in registers and is the A operand of ``S^T = K Q^T``, and each V
+      block is loaded transposed, converted and is the A operand of ``O^T = V^T P^T``, instead
+      of both going through the float16 staging block (two stores and two reads of 16 KiB
+      fewer per step at D 128; no staging block). Native runs only, as
+      ``operands_in_registers``. Off by default: not yet measured on the H200.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
       ``O^T = V^T P^T`` with the packed rows as the wgmma N dimension, rounded
       up to 8 instead of 64 (module docstring, "Transposed scores"): one tile
@@ -199,7 +200,7 @@ class TuningConfig:
   fp8_8bit_layout: bool = False
   transposed_scores: bool = False
   operands_in_registers: bool = True
-  fp8_keys_in_registers: bool = False
+  fp8_in_registers: bool = False
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -220,7 +221,7 @@ class TuningConfig:
       "fp8_8bit_layout",
       "transposed_scores",
       "operands_in_registers",
-      "fp8_keys_in_registers",
+      "fp8_in_registers",
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -365,12 +366,12 @@ def unsupported_reason(
   if k_pages.dtype == FP8_DTYPE and _uses_two_warpgroups(q, k_pages, config):
     return "two_warpgroup_tiles does not serve fp8 pages (64-row tiles do)"
   if (
-    config.fp8_keys_in_registers
+    config.fp8_in_registers
     and k_pages.dtype == FP8_DTYPE
     and _transposed_rows(q, k_pages, config) is not None
     and config.block_kv != 64
   ):
-    return f"fp8_keys_in_registers needs block_kv 64, got {config.block_kv}"
+    return f"fp8_in_registers needs block_kv 64, got {config.block_kv}"
   if config.merge_kernel and _transposed_rows(q, k_pages, config) is not None:
     return "merge_kernel serves 64-row tiles only, not transposed_scores tiles"
   group = q.shape[2] // k_pages.shape[0]
@@ -450,9 +451,12 @@ def paged_decode_attention_mosaic_gpu(
   # reads of Q K^T's operands and spares P's store; the GPU interpreter only models
   # shared-memory operands.
   operands_in_registers = config.operands_in_registers and not transposed and not interpret
-  # fp8 K blocks converted in registers for S^T = K Q^T (TuningConfig.fp8_keys_in_registers);
-  # the 16-bit wgmma layout: an 8-bit load cast to it does not lower (jax 0.11.2).
-  keys_in_registers = fp8 and transposed and config.fp8_keys_in_registers and not interpret
+  # fp8 K and V blocks converted in registers, the A operands of S^T = K Q^T and O^T = V^T P^T
+  # (TuningConfig.fp8_in_registers). K loads in the 16-bit wgmma layout (an 8-bit load cast to it
+  # does not lower, jax 0.11.2); V^T loads from the transposed view in the transposed wgmma
+  # layout, which a register shuffle per pair turns into the wgmma layout after the conversion.
+  fp8_in_registers = fp8 and transposed and config.fp8_in_registers and not interpret
+  staged = fp8 and not fp8_in_registers  # the float16 staging block
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -494,7 +498,7 @@ def paged_decode_attention_mosaic_gpu(
     request = lax.div(item, num_chunks)
     chunk = lax.rem(item, num_chunks)
     row_base = row_tile * rows_per_tile
-    if fp8:
+    if staged:
       staging = next(extra_scratch)  # f16 [block_kv, D]: the step's K block, then its V block
       # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
       q_scale = q_scale_ref[request, kv_head, row_tile]
@@ -604,9 +608,9 @@ def paged_decode_attention_mosaic_gpu(
       slot = lax.rem(i, num_stages)
       refill = i + num_stages
       plgpu.barrier_wait(k_barriers.at[slot])
-      if keys_in_registers:
+      if fp8_in_registers:
         k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
-        v_block = staging
+        v_block = None  # converted once Q K^T is complete, below
       elif fp8:
         to_staging(k_smem.at[slot])
         plgpu.commit_smem()
@@ -639,7 +643,15 @@ def paged_decode_attention_mosaic_gpu(
       l_i = l_i * alpha + p.sum(axis=pos_axis)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
       plgpu.barrier_wait(v_barriers.at[slot])
-      if fp8:
+      if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
+        v_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+        v_t = plgpu.layout_cast(v_t.astype(jnp.float16), plgpu.Layout.WGMMA)
+        if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
+          positions = plgpu.broadcasted_iota(
+            jnp.int32, (head_dim, block_kv), 1, layout=plgpu.Layout.WGMMA
+          )
+          v_t = jnp.where(attendable(positions, block, pages_in_pool), v_t, 0)
+      elif fp8:
         keep = None
         if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
           positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
@@ -683,7 +695,8 @@ def paged_decode_attention_mosaic_gpu(
 
       def compute_pv(pv_ref):
         if transposed:  # O^T = V^T P^T
-          plgpu.wgmma(pv_ref, v_block.transpose((1, 0)), p_operand)
+          v_operand = v_t if fp8_in_registers else v_block.transpose((1, 0))
+          plgpu.wgmma(pv_ref, v_operand, p_operand)
         else:  # O = P V
           plgpu.wgmma(pv_ref, p_operand, v_block)
 
@@ -774,7 +787,7 @@ def paged_decode_attention_mosaic_gpu(
     scratch.append(
       plgpu.SMEM((*per_warpgroup, tile_rows, block_kv), compute_dtype, transforms=transforms)
     )
-  if fp8:  # the float16 staging block
+  if staged:  # the float16 staging block
     scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
   if warpgroups > 1:
     scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]  # consumed, v_zeroed
