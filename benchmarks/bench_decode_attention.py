@@ -60,7 +60,7 @@ memory (``TuningConfig.operands_in_registers``) at B1, B2, B4 and B8, L 8k and 3
 and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs should lie
 (``results/decode_attention_register_operands.{json,md}``).
 
-``--fp8-registers-check`` instead times fp8 pages with transposed scores (q_len 1 and 3, G 8 and
+``--fp8-registers-check`` instead times fp8 pages with transposed scores (q_len 1, 3, 7, G 8 and
 12, D 128 and 64) with K and V through the float16 staging block against both converted in
 registers (``TuningConfig.fp8_in_registers``; ``results/decode_attention_fp8_in_registers.*``).
 
@@ -734,7 +734,7 @@ def fp8_registers_check(rng, out_dir, smoke=False):
   """fp8 pages with transposed scores: K and V blocks through the float16 staging block against
   both converted in registers (``TuningConfig.fp8_in_registers``)."""
   shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
-    ("B64 L32k", [32768] * 64, (1, 3), GROUP, HEAD_DIM, True),
+    ("B64 L32k", [32768] * 64, (1, 3, 7), GROUP, HEAD_DIM, True),
     ("B8 L32k", [32768] * 8, (1,), GROUP, HEAD_DIM, True),
     ("B64 L32k", [32768] * 64, (1,), GLM_GROUP, HEAD_DIM, True),
     ("B64 L32k", [32768] * 64, (1,), GROUP, 64, True),
