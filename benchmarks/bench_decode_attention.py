@@ -539,8 +539,8 @@ def benchmark_shapes(rng, quick: bool, flashinfer: bool, smoke: bool) -> list[Sh
 
 
 def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=None):
-  """Our kernel under its default config (``base = (description, function)``: ``function`` of
-  it, when given) against ``variant`` of that, on the same inputs.
+  """Our kernel under its default config (with the fields of the dict ``base`` replaced, when
+  given) against ``variant`` of that, on the same inputs.
 
   ``shapes``: ``(name, seq_lens, q_lens, G, D, fp8)``. Also reports the largest difference
   between the two outputs on one input (bf16 rounding of differently split chunks, ~1e-2; a
@@ -555,13 +555,13 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=N
     "setup": f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
     + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
     "configs": {},
-    "base": base[0] if base else None,
+    "base": base,
   }
   rows = []
   for name, seq_lens, q_lens, group, head_dim, fp8 in shapes:
     old_config = default_config(head_dim, PAGE_SIZE, FP8 if fp8 else DTYPE)
-    if base is not None:
-      old_config = base[1](old_config)
+    if base:
+      old_config = dataclasses.replace(old_config, **base)
     if smoke:  # interpret mode: tiny and unsplit
       old_config = dataclasses.replace(old_config, num_chunks=1)
     new_config = variant(old_config)
@@ -631,7 +631,7 @@ def render_config_check(title, meta, rows) -> str:
     "Time per call / effective KV TB/s (unique KV bytes, in the pages' dtype, / time); "
     f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets. 'default' is "
     "`default_config(D, page, pages' dtype)` without the packed-row count (so 64-row tiles)"
-    + (f", then {meta['base']}" if meta.get("base") else "")
+    + ("".join(f", then {k}={v}" for k, v in (meta.get("base") or {}).items()))
     + ", 'variant' the config under test; both per shape in the JSON file.",
     "",
     "| shape | q_len | G | D | default | variant | speedup | max abs difference |",
@@ -749,10 +749,7 @@ def fp8_registers_check(rng, out_dir, smoke=False):
     lambda config: dataclasses.replace(config, fp8_in_registers=True),
     smoke_shapes if smoke else shapes,
     smoke,
-    base=(
-      "transposed_scores=True",
-      lambda config: dataclasses.replace(config, transposed_scores=True),
-    ),
+    base={"transposed_scores": True},
   )
 
 

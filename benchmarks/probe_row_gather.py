@@ -71,6 +71,11 @@ class Variant:
     return f"{kind}{store} s{self.stages} b{self.blocks_per_sm}"
 
 
+def grid_blocks(num_rows: int, variant: Variant, *, rows_per_tile: int, sms: int) -> int:
+  """Thread blocks of the persistent grid: ``blocks_per_sm`` per SM, at most one per tile."""
+  return min(num_rows // rows_per_tile, variant.blocks_per_sm * sms)
+
+
 def gather_kernel(
   num_tokens: int,
   num_rows: int,
@@ -89,7 +94,7 @@ def gather_kernel(
       f"{rows_per_tile} and {COLS}"
     )
   num_tiles, k_steps = num_rows // rows_per_tile, hidden // COLS
-  num_blocks = min(num_tiles, variant.blocks_per_sm * sms)
+  num_blocks = grid_blocks(num_rows, variant, rows_per_tile=rows_per_tile, sms=sms)
   stages = variant.stages
 
   def kernel(ids_ref, x_ref, out_ref, buf, barriers):
@@ -210,7 +215,7 @@ def run(smoke: bool) -> dict:
       fn = gather_kernel(
         num_tokens, num_rows, hidden, variant, rows_per_tile=rows_per_tile, sms=sms, interpret=smoke
       )
-      num_blocks = min(num_rows // rows_per_tile, variant.blocks_per_sm * sms)
+      num_blocks = grid_blocks(num_rows, variant, rows_per_tile=rows_per_tile, sms=sms)
       want = expected(id_sets[0], x, variant, rows_per_tile=rows_per_tile, num_blocks=num_blocks)
       got = np.asarray(jax.jit(fn)(id_sets[0], x))
       entry = {"matches": bool(np.array_equal(got, want))}

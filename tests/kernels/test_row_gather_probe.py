@@ -36,7 +36,7 @@ def test_probe_kernel_gathers_the_rows_of_x(variant):
     NUM_TOKENS, num_rows, HIDDEN, variant, rows_per_tile=ROWS_PER_TILE, sms=SMS, interpret=True
   )
   got = np.asarray(fn(ids, x))
-  num_blocks = min(num_rows // ROWS_PER_TILE, variant.blocks_per_sm * SMS)
+  num_blocks = probe.grid_blocks(num_rows, variant, rows_per_tile=ROWS_PER_TILE, sms=SMS)
   want = probe.expected(ids, x, variant, rows_per_tile=ROWS_PER_TILE, num_blocks=num_blocks)
   np.testing.assert_array_equal(got, want)
   assert not races_found()

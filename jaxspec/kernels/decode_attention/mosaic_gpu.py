@@ -500,6 +500,7 @@ def paged_decode_attention_mosaic_gpu(
     row_base = row_tile * rows_per_tile
     if staged:
       staging = next(extra_scratch)  # f16 [block_kv, D]: the step's K block, then its V block
+    if fp8:
       # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
       q_scale = q_scale_ref[request, kv_head, row_tile]
       qk_scale = k_scale_ref[kv_head] * q_scale * base_qk_scale
@@ -686,7 +687,7 @@ def paged_decode_attention_mosaic_gpu(
       else:
         p_smem[...] = p.astype(compute_dtype)
         p_operand = p_smem
-      if fp8 or not operands_in_registers or transposed:
+      if fp8 or p_smem is not None:
         # Makes P and the staged V visible to the tensor cores, and orders this step's reads of
         # the slot before its refill.
         plgpu.commit_smem()
