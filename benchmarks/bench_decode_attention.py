@@ -64,6 +64,10 @@ and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs 
 12, D 128 and 64) with K and V through the float16 staging block against both converted in
 registers (``TuningConfig.fp8_in_registers``; ``results/decode_attention_fp8_in_registers.*``).
 
+``--fp8-register-sweep`` instead times the parts of that choice ``default_config`` rests on:
+ring depths with registers at D 128 and 64, registers against staging at 12 and 16 rows, at one
+request and at B8 (``results/decode_attention_fp8_register_sweep/``).
+
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
 its CUPTI time, next to the steady-state time per call: where the time of small shapes goes.
@@ -98,8 +102,11 @@ from benchmarks._timing import time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.decode_attention.api import paged_decode_attention  # noqa: E402
 from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
   DEFAULT_BALANCE_WAVES,
+  DEFAULT_FP8_IN_REGISTERS_MAX_ROWS,
+  DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128,
   DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
   DEFAULT_TRANSPOSED_MAX_ROWS,
+  FP8_IN_REGISTERS_STAGES_D128,
   TuningConfig,
   default_config,
 )
@@ -753,6 +760,85 @@ def fp8_registers_check(rng, out_dir, smoke=False):
   )
 
 
+def fp8_register_sweep(rng, out_dir, smoke=False):
+  """Where ``default_config`` turns ``fp8_in_registers`` on, and its ring depth: stages at D 128
+  and D 64, then rows (12, 16) and pairs (B1, B8), each part against its own base config.
+  Writes one ``{part}.{json,md}`` per part under ``decode_attention_fp8_register_sweep/``."""
+  out_dir = out_dir / "decode_attention_fp8_register_sweep"
+  out_dir.mkdir(parents=True, exist_ok=True)
+  b64 = [32768] * 64
+  transposed = {"transposed_scores": True}
+  registers = {**transposed, "fp8_in_registers": True}
+
+  def stages(count):
+    return lambda config: dataclasses.replace(config, num_stages=count)
+
+  parts = [  # (part, title, variant, shapes (name, seq_lens, q_lens, G, D, fp8), base)
+    (
+      "d128_stages3",
+      "D 128 in registers: 2 (base) / 3 stages",
+      stages(3),
+      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
+      registers,
+    ),
+    (
+      "d128_stages4",
+      "D 128 in registers: 2 (base) / 4 stages",
+      stages(4),
+      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
+      registers,
+    ),
+    (
+      "d128_stages6",
+      "D 128 in registers: 4 (base) / 6 stages",
+      stages(6),
+      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
+      {**registers, "num_stages": 4},
+    ),
+    (
+      "d64_stages3",
+      "D 64 in registers: 6 (base) / 3 stages",
+      stages(3),
+      [("B64 L32k", b64, (1,), GROUP, 64, True)],
+      registers,
+    ),
+    (
+      "d64_stages6",
+      "D 64 in registers: 8 (base) / 6 stages",
+      stages(6),
+      [("B64 L32k", b64, (1,), group, 64, True) for group in (GROUP, GLM_GROUP)],
+      {**registers, "num_stages": 8},
+    ),
+    (
+      "rows",
+      "Staging block (base) / registers at 12 and 16 rows and one request",
+      lambda config: dataclasses.replace(config, fp8_in_registers=True),
+      [
+        ("B64 L32k", b64, (1,), GLM_GROUP, 64, True),
+        ("B64 L32k", b64, (2,), GROUP, HEAD_DIM, True),
+        ("B1 L8k", [8192], (1,), GROUP, HEAD_DIM, True),
+        ("B1 L8k", [8192], (1,), GROUP, 64, True),
+      ],
+      transposed,
+    ),
+    (
+      "regs4",
+      "Staging block (base, 2 stages) / registers with 4 stages",
+      lambda config: dataclasses.replace(config, fp8_in_registers=True, num_stages=4),
+      [
+        ("B8 L32k", [32768] * 8, (1,), GROUP, HEAD_DIM, True),
+        ("B64 L32k", b64, (1,), GLM_GROUP, HEAD_DIM, True),
+        ("B64 L32k", b64, (2,), GROUP, HEAD_DIM, True),
+      ],
+      transposed,
+    ),
+  ]
+  for part, title, variant, shapes, base in parts:
+    if smoke:
+      shapes = [("B2 L200", [200, 77], (1,), GROUP, shapes[0][4], True)]
+    config_check(rng, out_dir, part, "fp8 pages: " + title, variant, shapes, smoke, base=base)
+
+
 def breakdown(rng, out_dir):
   """CUPTI time of every kernel of one call of ours, and the steady-state time per call."""
   from jax.experimental.mosaic.gpu import profiler
@@ -842,6 +928,12 @@ def main():
     help="only: fp8 K and V through the staging block against registers "
     "(decode_attention_fp8_in_registers.*)",
   )
+  parser.add_argument(
+    "--fp8-register-sweep",
+    action="store_true",
+    help="only: where fp8_in_registers pays, and its ring depth "
+    "(decode_attention_fp8_register_sweep/)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
@@ -871,6 +963,9 @@ def main():
     return
   if args.register_check:
     register_check(rng, out_dir, smoke=args.smoke)
+    return
+  if args.fp8_register_sweep:
+    fp8_register_sweep(rng, out_dir, smoke=args.smoke)
     return
   if args.transposed_check or args.fp8_transposed_check:
     transposed_check(rng, out_dir, smoke=args.smoke, fp8=args.fp8_transposed_check)
@@ -908,6 +1003,11 @@ def main():
     "default_config_fp8": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE, FP8)),
     "default_transposed_max_rows": DEFAULT_TRANSPOSED_MAX_ROWS,
     "default_register_operands_min_pairs": DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
+    "default_fp8_in_registers": {
+      "max_rows_by_head_dim": {str(d): n for d, n in DEFAULT_FP8_IN_REGISTERS_MAX_ROWS.items()},
+      "min_pairs_d128": DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128,
+      "stages_d128": FP8_IN_REGISTERS_STAGES_D128,
+    },
   }
   rows, tuning = [], []
   name = "decode_attention_tuning" if args.tune else "decode_attention"
@@ -1083,6 +1183,14 @@ def render_markdown(meta, rows, tuning):
       "(operands_in_registers=True) and more than 64 rows on 16-bit pages take one 128-row tile "
       "(two_warpgroup_tiles=True), below that operands_in_registers=False"
       if (pairs := meta.get("default_register_operands_min_pairs"))
+      else ""
+    )
+    + (
+      f"; fp8 pages with up to {fp8['max_rows_by_head_dim']['128']} rows at D 128 (from "
+      f"{fp8['min_pairs_d128']} pairs, {fp8['stages_d128']} stages) and "
+      f"{fp8['max_rows_by_head_dim']['64']} at D 64 convert K and V in registers "
+      "(fp8_in_registers=True)"
+      if (fp8 := meta.get("default_fp8_in_registers"))
       else ""
     )
     + ". Cells: time per call / effective TB/s. 'vs X' is X's time / ours (> 1: ours is "

@@ -392,6 +392,36 @@ def test_default_config_keeps_operands_in_shared_memory_for_few_pairs(batch, reg
   assert default_config(128, 16, BF16, num_rows=84).operands_in_registers  # pairs unknown
 
 
+@pytest.mark.parametrize(
+  "batch, q_len, group, head_dim, page_size, kv_dtype, registers",
+  [(256, 1, 8, 128, 16, FP8, True), (256, 2, 4, 128, 32, FP8, True), (1, 1, 8, 64, 64, FP8, True)]
+  + [
+    (32, 1, 12, 64, 16, FP8, True),
+    (1, 1, 8, 128, 16, FP8, False),
+    (255, 1, 8, 128, 16, FP8, False),
+  ]
+  + [(256, 1, 12, 128, 16, FP8, False), (32, 2, 8, 64, 16, FP8, False)]
+  + [(256, 1, 8, 128, 128, FP8, False), (256, 1, 8, 128, 16, BF16, False)],
+)
+def test_default_config_converts_fp8_in_registers_for_few_rows(
+  batch, q_len, group, head_dim, page_size, kv_dtype, registers
+):
+  """The measured policy: fp8 pages with up to 12 packed rows at D 64, 8 at D 128 (there from 512
+  (request, KV head) pairs on) convert K and V in registers, in the transposed tile with
+  ``block_kv`` 64 (128-position pages make 128-position blocks, which it does not serve); at
+  D 128 their ring, with no staging block beside it, takes 4 stages, at D 64 the usual 6."""
+  rows = q_len * group
+  q = jax.ShapeDtypeStruct((batch, q_len, 2 * group, head_dim), BF16)  # Hkv 2
+  pages = jax.ShapeDtypeStruct((2, 64, page_size, head_dim), kv_dtype)
+  config = api._default_config(q, pages)
+  assert config == default_config(head_dim, page_size, kv_dtype, rows, num_pairs=2 * batch)
+  assert config.fp8_in_registers == registers
+  if registers:
+    assert config.transposed_scores
+    assert config.num_stages == {128: 4, 64: 6}[head_dim]
+  assert not default_config(head_dim, page_size, kv_dtype).fp8_in_registers  # rows unknown
+
+
 @pytest.mark.parametrize("head_dim, stages", [(128, 2), (64, 6)])
 def test_fp8_default_config_keeps_three_items_per_sm(head_dim, stages):
   config = default_config(head_dim, 16, FP8)

@@ -141,6 +141,18 @@ FP8_ITEMS_PER_SM = 3
 # pairs. H200: 64 pairs (B8, Hkv 8) and more ran faster with them, 8 pairs (B1) slower, where the
 # split KV leaves each work item a few blocks (benchmarks/NOTES_decode_attention.md, version 9).
 DEFAULT_REGISTER_OPERANDS_MIN_PAIRS = 64
+# default_config's fp8_in_registers: fp8 pages with up to this many packed rows, by head dim.
+# H200, B64 L32k, against the staging block: at D 128 8 rows 1.06-1.07x, 12 and 16 rows
+# 0.97-1.02x; at D 64 8 rows 1.41x, 12 rows 1.14x. At D 128 only from
+# DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 (request, KV head) pairs on: B1 L8k ran 0.82x and B8
+# L32k (64 pairs) 0.94-1.00x (benchmarks/results/decode_attention_fp8_in_registers.md,
+# decode_attention_fp8_register_sweep.md).
+DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 8}
+DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 = 512
+# Their ring at D 128, where no staging block sits beside it: B64 L32k, 8 rows, 2 stages 1316 us,
+# 3 stages 1340, 4 stages 1241 and 1247, 6 stages 1567. At D 64 the staging-sized ring (6 stages)
+# stays: 870 us against 1075 with 8.
+FP8_IN_REGISTERS_STAGES_D128 = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +178,8 @@ class TuningConfig:
       block is loaded transposed, converted and is the A operand of ``O^T = V^T P^T``, instead
       of both going through the float16 staging block (two stores and two reads of 16 KiB
       fewer per step at D 128; no staging block). Native runs only, as
-      ``operands_in_registers``. Off by default: not yet measured on the H200.
+      ``operands_in_registers``. ``default_config`` turns it on for up to
+      ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS`` packed rows.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
       ``O^T = V^T P^T`` with the packed rows as the wgmma N dimension, rounded
       up to 8 instead of 64 (module docstring, "Transposed scores"): one tile
@@ -254,7 +267,8 @@ def default_config(
   1.27-1.30x at D 64; at 16 rows (G 12, q_len 1) 0.99-1.02x; from 24 rows (G 8, q_len 3) on
   equal or slower, 0.67x at 56 rows. With fp8 pages (same ring, D 128): at 8 rows 1.47x at B64
   L32k (1403 against 2062 us) and 1.44x at B8 L32k, at 16 rows 1.13x at B64 L32k, at 24 rows
-  0.87x, at 56 rows 0.59x.
+  0.87x, at 56 rows 0.59x. Few fp8 rows in many pairs also convert K and V in registers
+  (``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``; at D 128 with ``FP8_IN_REGISTERS_STAGES_D128``).
 
   More than 64 packed rows with 16-bit pages take the 128-row two-warpgroup tile: once Q and P
   reached wgmma from registers it ran G 12 q_len 6/7 at B64 L32k in 3086 / 3129 us against
@@ -268,13 +282,25 @@ def default_config(
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
   many_pairs = num_pairs is None or num_pairs >= DEFAULT_REGISTER_OPERANDS_MIN_PAIRS
   block_bytes = 2 * block_kv * head_dim * kv_itemsize  # one stage: a K and a V block
+  fp8_in_registers = (
+    kv_itemsize == 1
+    and block_kv == 64
+    and num_rows is not None
+    and num_rows <= DEFAULT_FP8_IN_REGISTERS_MAX_ROWS.get(head_dim, 0)
+    and (
+      head_dim == 64 or num_pairs is None or num_pairs >= DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128
+    )
+  )
   ring_budget = 64 * 1024
   if kv_itemsize == 1:
     rest = smem_bytes(head_dim, TuningConfig(block_kv=block_kv, num_stages=1), kv_itemsize=1)
     ring_budget = min(ring_budget, _SMEM_PER_SM // FP8_ITEMS_PER_SM - (rest - block_bytes))
+  num_stages = max(2, min(8, ring_budget // block_bytes))
+  if fp8_in_registers and head_dim == 128:
+    num_stages = FP8_IN_REGISTERS_STAGES_D128
   return TuningConfig(
     block_kv=block_kv,
-    num_stages=max(2, min(8, ring_budget // block_bytes)),
+    num_stages=num_stages,
     balance_waves=DEFAULT_BALANCE_WAVES,
     fp8_8bit_layout=kv_itemsize == 1,
     transposed_scores=num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS,
@@ -283,6 +309,7 @@ def default_config(
       many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE and kv_itemsize == 2
     ),
     operands_in_registers=many_pairs,
+    fp8_in_registers=fp8_in_registers,
   )
 
 
