@@ -85,7 +85,9 @@ block (exact: every e4m3 value is a float16 value, and e4m3 -> f16 is one
 ``cvt`` per pair, where bf16 would go through float32), runs ``Q K^T`` on it,
 then converts its V block into the same staging block for ``P V`` (reading the
 ``Q K^T`` accumulator has waited for that wgmma), and refills the slot: one
-staging block keeps a work item small enough for three per SM. The wgmmas
+staging block keeps a work item small enough for three per SM. Transposed
+tiles can instead keep both converted blocks in registers as the wgmmas' A
+operands (``TuningConfig.fp8_in_registers``), with no staging block. The wgmmas
 then run in float16, so q is given to the kernel in float16, scaled per row
 tile by a power of two ``s`` that maps the tile's largest magnitude below
 2^15: exact for every bf16 value within 2^29 of that maximum (smaller ones
