@@ -269,6 +269,41 @@ def test_merge_kernel_matches_the_xla_merge(q_len, group, head_dim, dtype, num_c
   chex.assert_trees_all_close(out.astype(F32), expected.astype(F32), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("num_chunks", [2, 3, 16])
+def test_xla_merge_matches_float64(num_chunks):
+  """The one-reduction merge against a float64 oracle: chunks that saw nothing (lse -inf, NaN
+  tiles) drop out, a row no chunk saw gives 0, NaN in a seen tile or in an lse reaches the
+  row's output, and nothing else is NaN."""
+  batch, num_kv_heads, rows, head_dim = 2, 2, 8, 64
+  rng = np.random.default_rng(num_chunks)
+  shape = (batch, num_chunks, num_kv_heads, rows)
+  lse = rng.uniform(-30.0, 30.0, shape)
+  empty = rng.random(shape) < 0.4
+  empty[1, :, 0, 5] = True  # no chunk saw anything
+  empty[0, :, 1, 2] = False  # every chunk saw something
+  lse[empty] = -np.inf
+  tiles = rng.standard_normal((*shape, head_dim))
+  tiles[empty] = np.nan  # unwritten tiles of chunks that saw nothing
+  seen_chunk = np.argmax(~empty[0, :, 0, 3])
+  tiles[0, seen_chunk, 0, 3, 7] = np.nan  # NaN a row saw
+  lse[1, 0, 1, 6] = np.nan  # a chunk's NaN sum
+
+  lse_max = np.max(np.where(empty, -np.inf, lse), axis=1, keepdims=True)
+  weights = np.where(empty, 0.0, np.exp2(lse - np.where(np.isfinite(lse_max), lse_max, 0.0)))
+  total = weights.sum(axis=1)
+  expected = np.einsum("bchr,bchrd->bhrd", weights, np.where(empty[..., None], 0.0, tiles))
+  expected = expected / np.where(total > 0.0, total, 1.0)[..., None]
+  expected[1, 1, 6] = np.nan
+
+  got = np.asarray(
+    mosaic_gpu.merge_chunks(jnp.asarray(tiles, F32), jnp.asarray(lse, F32)), np.float64
+  )
+  assert np.isnan(got[0, 0, 3, 7]) and np.all(np.isnan(got[1, 1, 6]))
+  np.testing.assert_array_equal(got[1, 0, 5], 0.0)
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_sm_scale_is_used():
   inputs = make_inputs(np.random.default_rng(0), [9, 20], 2, 1, 2, 64, 16, F32)
   halved = paged_decode_attention(*inputs.arrays, sm_scale=0.5 / 8.0, impl="xla")
