@@ -16,8 +16,10 @@ each tile the ``H / 64`` column blocks in turn (the K steps of the gate/up kerne
 ring of ``stages`` shared-memory slots; a slot is refilled as soon as its step is consumed.
 
 * ``rows``: 128 row copies per step (row ids read from global memory, L1-cached after a tile's
-  first step); ``tile``: one ``[128, 64]`` box of consecutive rows per step, the same bytes with
-  one copy (the pipeline's ceiling without a gather);
+  first step), issued by one thread, or (``w4``) by one lane of each of the warpgroup's 4 warps,
+  32 rows each (``pl.kernel`` over a ``plgpu.WarpMesh``); ``tile``: one ``[128, 64]`` box of
+  consecutive rows per step, the same bytes with one copy (the pipeline's ceiling without a
+  gather);
 * ``write_back``: each step's slot is stored to ``out [R, H]`` (a full gather, comparable with
   XLA's ``x[ids]``, which is timed in the same process); without it only each block's last slot
   is stored (``out [blocks, 128, 64]``), so the time is the loads' alone, as in a gate/up kernel.
@@ -55,6 +57,7 @@ ROWS_PER_TILE = 128  # the gate/up kernel's prefill tile
 TOP_K = 8
 HIDDEN = 4096  # GLM-4.5-Air
 TOKEN_COUNTS = (2048, 8192)
+WARPS_PER_WARPGROUP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +66,14 @@ class Variant:
   write_back: bool  # store every step (a full gather) or only each block's last slot
   stages: int = 4
   blocks_per_sm: int = 1
+  issuing_warps: int = 1  # per-row copies: issued by one thread, or one per warp (1 or 4)
 
   @property
   def name(self) -> str:
     kind = "rows" if self.per_row else "tile"
     store = "+store" if self.write_back else ""
-    return f"{kind}{store} s{self.stages} b{self.blocks_per_sm}"
+    warps = f" w{self.issuing_warps}" if self.issuing_warps > 1 else ""
+    return f"{kind}{store} s{self.stages} b{self.blocks_per_sm}{warps}"
 
 
 def grid_blocks(num_rows: int, variant: Variant, *, rows_per_tile: int, sms: int) -> int:
@@ -88,6 +93,10 @@ def gather_kernel(
 ):
   """``fn(ids int32 [R], x bf16 [T, H]) -> out``: ``out [R, H] = x[ids]`` with ``write_back``,
   else ``out [blocks, rows_per_tile, COLS]``, each block's last step (a tile's last columns)."""
+  if variant.issuing_warps not in (1, WARPS_PER_WARPGROUP):
+    raise ValueError(
+      f"issuing_warps must be 1 or {WARPS_PER_WARPGROUP}, got {variant.issuing_warps}"
+    )
   if num_tokens % rows_per_tile or num_rows % rows_per_tile or hidden % COLS:
     raise ValueError(
       f"T={num_tokens}, R={num_rows} and H={hidden} must be multiples of {rows_per_tile}, "
@@ -125,7 +134,18 @@ def gather_kernel(
         )
         return carry
 
-      lax.fori_loop(0, rows_per_tile, copy_row, None, unroll=8)
+      if variant.issuing_warps == 1:
+        lax.fori_loop(0, rows_per_tile, copy_row, None, unroll=8)
+        return
+
+      # Each warp of the warpgroup issues the copies of its share of the rows, from one lane.
+      @pl.kernel(mesh=plgpu.WarpMesh(axis_name="warp"))
+      def per_warp():
+        share = rows_per_tile // WARPS_PER_WARPGROUP
+        first = lax.axis_index("warp") * share
+        lax.fori_loop(0, share, lambda r, c: copy_row(first + r, c), None, unroll=8)
+
+      per_warp()
 
     for s in range(stages):
       pl.when(s < num_steps)(functools.partial(issue, s, s))
@@ -188,9 +208,16 @@ def expected(ids, x, variant: Variant, *, rows_per_tile: int, num_blocks: int) -
 
 def variants(smoke: bool) -> list[Variant]:
   if smoke:
-    return [Variant(True, True, 2), Variant(True, False, 3), Variant(False, False, 2)]
+    return [
+      Variant(True, True, 2),
+      Variant(True, False, 3),
+      Variant(True, True, 2, 1, WARPS_PER_WARPGROUP),
+      Variant(False, False, 2),
+    ]
   grid = [Variant(False, False), Variant(False, True)]
   grid += [Variant(True, w, s, b) for w in (False, True) for s in (4, 6) for b in (1, 2)]
+  # One issuing thread per warp (4 per warpgroup): whether the rate is the issuing thread's.
+  grid += [Variant(True, w, 4, b, WARPS_PER_WARPGROUP) for w in (False, True) for b in (1, 2)]
   return grid
 
 
@@ -254,8 +281,9 @@ def render(results: dict) -> str:
     + (" (interpret-mode smoke run, not a measurement)" if meta["smoke"] else "")
     + f". bf16 `x [T, H]`, top-{TOP_K} random row ids (`R = {TOP_K} T`), {COLS}-column steps.",
     "Variant names: rows = one copy per row, tile = one box per step; +store = every step "
-    "stored to `out [R, H]`; sS = ring slots; bB = thread blocks per SM. TB/s = gathered bytes "
-    "(R x H x 2) / time.",
+    "stored to `out [R, H]`; sS = ring slots; bB = thread blocks per SM; w4 = the row copies "
+    "issued by the 4 warps of the warpgroup (one lane each), else by one thread. TB/s = "
+    "gathered bytes (R x H x 2) / time.",
     "",
     "| T | R | variant | us | TB/s | copies per SM per us | ns per copy per SM | output matches |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -23,6 +23,8 @@ ROWS_PER_TILE, NUM_TOKENS, HIDDEN, SMS = 16, 32, 2 * probe.COLS, 2
   [
     probe.Variant(per_row=True, write_back=True, stages=2),
     probe.Variant(per_row=True, write_back=False, stages=3, blocks_per_sm=2),
+    probe.Variant(per_row=True, write_back=True, stages=2, issuing_warps=4),
+    probe.Variant(per_row=True, write_back=False, stages=3, blocks_per_sm=2, issuing_warps=4),
     probe.Variant(per_row=False, write_back=True, stages=2),
     probe.Variant(per_row=False, write_back=False, stages=4),
   ],
@@ -46,4 +48,17 @@ def test_probe_kernel_rejects_shapes_off_its_tiles():
   with pytest.raises(ValueError, match="multiples"):
     probe.gather_kernel(
       NUM_TOKENS, 40, HIDDEN, probe.Variant(True, False), rows_per_tile=16, sms=2, interpret=True
+    )
+
+
+def test_probe_kernel_rejects_other_issuing_warp_counts():
+  with pytest.raises(ValueError, match="issuing_warps must be 1 or 4"):
+    probe.gather_kernel(
+      NUM_TOKENS,
+      80,
+      HIDDEN,
+      probe.Variant(True, False, issuing_warps=2),
+      rows_per_tile=16,
+      sms=2,
+      interpret=True,
     )
