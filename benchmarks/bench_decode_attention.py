@@ -64,6 +64,10 @@ and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs 
 12, D 128 and 64) with K and V through the float16 staging block against both converted in
 registers (``TuningConfig.fp8_in_registers``; ``results/decode_attention_fp8_in_registers.*``).
 
+``--pingpong-check`` instead times the 128-row tile at G 12 (q_len 6 and 7, B8 and B64, L 8k
+and 32k) with its two warpgroups taking turns on the tensor cores (``TuningConfig.pingpong``)
+against free-running ones (``results/decode_attention_pingpong.{json,md}``).
+
 ``--fp8-register-sweep`` instead times the parts of that choice ``default_config`` rests on:
 ring depths with registers at D 128 and 64, registers against staging at 12 and 16 rows, at one
 request and at B8 (``results/decode_attention_fp8_register_sweep/``).
@@ -655,23 +659,41 @@ def render_config_check(title, meta, rows) -> str:
   return "\n".join(lines) + "\n"
 
 
-def two_warpgroup_check(rng, out_dir, smoke=False):
-  """G 12: default 64-row tiles against one 128-row tile of two warpgroups."""
-  shapes = [
-    (f"B{b} L{length // 1024}k", [length] * b, (6, 7), 12, HEAD_DIM, False)
+def _glm_many_row_shapes(smoke):
+  """G 12 with q_len 6 and 7 (72 and 84 packed rows) at B8 and B64, L 8k and 32k."""
+  if smoke:
+    return [("B2 L200", [200, 77], (6,), GLM_GROUP, HEAD_DIM, False)]
+  return [
+    (f"B{b} L{length // 1024}k", [length] * b, (6, 7), GLM_GROUP, HEAD_DIM, False)
     for length in (8192, 32768)
     for b in (8, 64)
   ]
-  if smoke:
-    shapes = [("B2 L200", [200, 77], (6, 7), 12, HEAD_DIM, False)]
+
+
+def two_warpgroup_check(rng, out_dir, smoke=False):
+  """G 12: default 64-row tiles against one 128-row tile of two warpgroups."""
   config_check(
     rng,
     out_dir,
     "two_warpgroup_tiles",
     "128-row tile of two warpgroups (variant) against 64-row tiles (G * q_len > 64)",
     lambda config: dataclasses.replace(config, two_warpgroup_tiles=True),
-    shapes,
+    _glm_many_row_shapes(smoke),
     smoke,
+  )
+
+
+def pingpong_check(rng, out_dir, smoke=False):
+  """G 12: the 128-row tile of two warpgroups with and without the ping-pong schedule."""
+  config_check(
+    rng,
+    out_dir,
+    "decode_attention_pingpong",
+    "128-row tile: ping-pong schedule (variant) against free-running warpgroups",
+    lambda config: dataclasses.replace(config, pingpong=True),
+    _glm_many_row_shapes(smoke),
+    smoke,
+    base={"two_warpgroup_tiles": True},
   )
 
 
@@ -929,6 +951,11 @@ def main():
     "(decode_attention_fp8_in_registers.*)",
   )
   parser.add_argument(
+    "--pingpong-check",
+    action="store_true",
+    help="only G 12: the 128-row tile with and without ping-pong (decode_attention_pingpong.*)",
+  )
+  parser.add_argument(
     "--fp8-register-sweep",
     action="store_true",
     help="only: where fp8_in_registers pays, and its ring depth "
@@ -955,18 +982,17 @@ def main():
   rng = np.random.default_rng(0)
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  if args.two_warpgroup_check:
-    two_warpgroup_check(rng, out_dir, smoke=args.smoke)
-    return
-  if args.fp8_registers_check:
-    fp8_registers_check(rng, out_dir, smoke=args.smoke)
-    return
-  if args.register_check:
-    register_check(rng, out_dir, smoke=args.smoke)
-    return
-  if args.fp8_register_sweep:
-    fp8_register_sweep(rng, out_dir, smoke=args.smoke)
-    return
+  checks = {  # flag: the config check it runs instead of the main grid
+    "two_warpgroup_check": two_warpgroup_check,
+    "fp8_registers_check": fp8_registers_check,
+    "register_check": register_check,
+    "fp8_register_sweep": fp8_register_sweep,
+    "pingpong_check": pingpong_check,
+  }
+  for flag, check in checks.items():
+    if getattr(args, flag):
+      check(rng, out_dir, smoke=args.smoke)
+      return
   if args.transposed_check or args.fp8_transposed_check:
     transposed_check(rng, out_dir, smoke=args.smoke, fp8=args.fp8_transposed_check)
     return

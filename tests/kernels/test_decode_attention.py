@@ -77,6 +77,21 @@ TWO_WARPGROUP_CASES = [
     ((129, 6, 1), 7, 1, 12, 128, 32, F16, TuningConfig(num_stages=2, num_chunks=1)),
     ((250, 3, 64), 5, 1, 16, 128, 16, BF16, TuningConfig(num_stages=1, num_chunks=3)),
     ((190, 7, 0), 8, 2, 16, 64, 64, BF16, TuningConfig(block_kv=128, num_stages=2)),
+    # Ping-pong: the warpgroups take turns, warpgroup 1 refills; refills with 2 and 3 stages,
+    # chunks, a request with no blocks (only the two unpaired turns), masked tails, 128-position
+    # blocks.
+    ((200, 4, 0, 65), 6, 1, 12, 64, 16, BF16, TuningConfig(num_stages=2, pingpong=True)),
+    (
+      (450, 6, 1),
+      7,
+      2,
+      12,
+      128,
+      32,
+      F16,
+      TuningConfig(num_stages=3, num_chunks=2, pingpong=True),
+    ),
+    ((190, 7, 0), 8, 1, 16, 64, 64, BF16, TuningConfig(block_kv=128, num_stages=2, pingpong=True)),
   ]
 ]
 
@@ -374,11 +389,20 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("merge_kernel", 1),
     ("transposed_scores", 1),
     ("fp8_8bit_layout", None),
+    ("pingpong", 1),
   ],
 )
 def test_tuning_config_is_validated(field, value):
   with pytest.raises(ValueError, match=field):
     TuningConfig(**{field: value})
+
+
+def test_pingpong_needs_two_stages():
+  """With one stage warpgroup 0's next block would wait for warpgroup 1's refill, which waits
+  for warpgroup 0's turn: refused before anything compiles."""
+  with pytest.raises(ValueError, match="pingpong needs num_stages >= 2, got 1"):
+    TuningConfig(num_stages=1, two_warpgroup_tiles=True, pingpong=True)
+  assert TuningConfig(num_stages=2, pingpong=True).pingpong
 
 
 @pytest.mark.parametrize(
@@ -848,6 +872,15 @@ LOWERING_CASES = [
     BF16,
     BF16,
     TuningConfig(two_warpgroup_tiles=True, num_stages=2),
+  ),
+  (
+    "bf16 two warpgroups ping-pong",
+    (2, 7, 24, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    BF16,
+    TuningConfig(two_warpgroup_tiles=True, num_stages=2, pingpong=True),
   ),
   ("fp8 bf16 D128 G8 q3", (4, 3, 16, 128), (2, 64, 16, 128), 16, BF16, FP8, None),
   ("fp8 f16 D64 q1", (3, 1, 8, 64), (1, 64, 32, 64), 8, F16, FP8, TuningConfig(num_chunks=3)),

@@ -46,6 +46,19 @@ waiter, as GPU interpret mode checks. Its race detector does not track the
 shared-memory reads of ``wgmma`` yet, so a missing ``consumed`` wait would only
 show on the GPU.
 
+Ping-pong (``TuningConfig.pingpong``, FlashAttention-3's inter-warpgroup
+schedule, Shah et al. 2024, as jax's ``attention_mgpu.py`` runs it): the two
+warpgroups take turns on the tensor cores, so that one's softmax runs while the
+other's ``wgmma`` does. A ``schedule`` barrier of two arrivals orders them:
+warpgroup 1 arrives once before its first step and warpgroup 0 once after its
+last, and each arrives after issuing ``Q K^T`` and again after its softmax,
+waiting on the barrier before reading ``Q K^T`` and before issuing ``P V``. So
+warpgroup 1 issues its ``P V`` on a slot only after warpgroup 0 issued its next
+``Q K^T``, by which time warpgroup 0's ``P V`` on that slot is complete: warpgroup
+1 refills the slot after its own ``P V`` and no ``consumed`` barrier is needed
+(with one stage, warpgroup 0's next step would wait for that refill, which
+waits for warpgroup 0: the schedule needs two stages or more).
+
 Transposed scores (``TuningConfig.transposed_scores``, FlashAttention-3's
 backward pass computes ``S^T = K Q^T`` the same way): with the packed rows as
 the wgmma N dimension (a multiple of 8, up to 128) and the KV positions as M,
@@ -182,6 +195,8 @@ class TuningConfig:
       fewer per step at D 128; no staging block). Native runs only, as
       ``operands_in_registers``. ``default_config`` turns it on for up to
       ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS`` packed rows.
+    pingpong: two-warpgroup tiles only: the warpgroups take turns on the tensor cores (module
+      docstring, "Ping-pong"). Needs ``num_stages`` >= 2. Off by default: not yet measured.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
       ``O^T = V^T P^T`` with the packed rows as the wgmma N dimension, rounded
       up to 8 instead of 64 (module docstring, "Transposed scores"): one tile
@@ -216,6 +231,7 @@ class TuningConfig:
   transposed_scores: bool = False
   operands_in_registers: bool = True
   fp8_in_registers: bool = False
+  pingpong: bool = False
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -237,9 +253,12 @@ class TuningConfig:
       "transposed_scores",
       "operands_in_registers",
       "fp8_in_registers",
+      "pingpong",
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.pingpong and self.num_stages < 2:
+      raise ValueError(f"pingpong needs num_stages >= 2, got {self.num_stages}")
 
 
 def default_config(
@@ -486,6 +505,7 @@ def paged_decode_attention_mosaic_gpu(
   # layout, which a register shuffle per pair turns into the wgmma layout after the conversion.
   fp8_in_registers = fp8 and transposed and config.fp8_in_registers and not interpret
   staged = fp8 and not fp8_in_registers  # the float16 staging block
+  pingpong = config.pingpong and warpgroups > 1
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -516,7 +536,7 @@ def paged_decode_attention_mosaic_gpu(
       k_barriers,  # [num_stages], one arrival per page copy
       v_barriers,
       *extra_scratch,  # P tile (p_smem, where P goes through shared memory); fp8: the staging
-      # block; two warpgroups: consumed, v_zeroed
+      # block; two warpgroups: consumed (not with pingpong), v_zeroed, schedule (pingpong)
     ) = refs
     extra_scratch = iter(extra_scratch)
     # [(warpgroups,) rows, block_kv], the probabilities of the current block
@@ -536,12 +556,20 @@ def paged_decode_attention_mosaic_gpu(
     else:
       qk_scale = base_qk_scale
     if warpgroups > 1:
-      consumed_barriers, v_zeroed_barrier = extra_scratch
+      if pingpong:
+        v_zeroed_barrier, schedule_barrier = extra_scratch
+      else:
+        consumed_barriers, v_zeroed_barrier = extra_scratch
       wg = lax.axis_index("wg")
       row_base = row_base + wg * tile_rows
       qo_smem, lse_smem = qo_smem.at[wg], lse_smem.at[wg]
       p_smem = None if p_smem is None else p_smem.at[wg]
       q_barrier = q_barrier.at[wg]
+
+    def take_turn():
+      """Ping-pong: arrive at the schedule barrier, then wait for the other warpgroup's turn."""
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
 
     def when_issuer(condition):
       """``pl.when`` for the ring's TMA copies, which warpgroup 0 alone issues."""
@@ -653,6 +681,8 @@ def paged_decode_attention_mosaic_gpu(
           plgpu.wgmma(acc_ref, k_block, qo_smem.transpose((1, 0)))
         else:  # S = Q K^T
           plgpu.wgmma(acc_ref, q_tile, k_block.transpose((1, 0)))
+        if pingpong:  # the other warpgroup's P V (or first Q K^T) goes next
+          take_turn()
         return acc_ref[...]
 
       qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
@@ -672,6 +702,8 @@ def paged_decode_attention_mosaic_gpu(
       p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
       l_i = l_i * alpha + p.sum(axis=pos_axis)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
+      if pingpong:  # softmax done: the other warpgroup may issue its next Q K^T
+        plgpu.barrier_arrive(schedule_barrier)
       plgpu.barrier_wait(v_barriers.at[slot])
       if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
         v_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
@@ -723,6 +755,9 @@ def paged_decode_attention_mosaic_gpu(
       if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
 
+      if pingpong:  # wait for the tensor cores' turn
+        plgpu.barrier_wait(schedule_barrier)
+
       def compute_pv(pv_ref):
         if transposed:  # O^T = V^T P^T
           v_operand = v_t if fp8_in_registers else v_block.transpose((1, 0))
@@ -744,6 +779,8 @@ def paged_decode_attention_mosaic_gpu(
       elif warpgroups == 1:
         # Both wgmmas on this slot are complete: refill it.
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
+      elif pingpong:  # warpgroup 0's P V on the slot completed before this one's began
+        pl.when((refill < num_steps) & (wg == 1))(functools.partial(fetch, start + refill, slot))
       else:
 
         @pl.when((refill < num_steps) & (wg != 0))
@@ -779,7 +816,11 @@ def paged_decode_attention_mosaic_gpu(
     # Row tiles take Q as the A operand of S = Q K^T from registers, loaded once per work item
     # (an item without work loads stale values it never uses).
     q_tile = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA) if operands_in_registers else qo_smem
+    if pingpong:  # warpgroup 0 goes first
+      pl.when(wg == 1)(take_turn)
     acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
+    if pingpong:  # warpgroup 1's last arrival pairs with this one
+      pl.when(wg == 0)(take_turn)
 
     # Rows that saw nothing have l = 0 and acc = 0. NaN in a row's visible K/V makes l NaN:
     # it must reach the output as on the XLA path, not pass for "saw nothing".
@@ -819,8 +860,10 @@ def paged_decode_attention_mosaic_gpu(
     )
   if staged:  # the float16 staging block
     scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
-  if warpgroups > 1:
-    scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]  # consumed, v_zeroed
+  if warpgroups > 1 and pingpong:  # v_zeroed, schedule
+    scratch += [plgpu.Barrier(), plgpu.Barrier(num_arrivals=2)]
+  elif warpgroups > 1:  # consumed, v_zeroed
+    scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]
   num_items = batch * num_chunks
   out_type = (
     jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), compute_dtype),
