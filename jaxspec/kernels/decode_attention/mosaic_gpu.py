@@ -160,8 +160,8 @@ DEFAULT_REGISTER_OPERANDS_MIN_PAIRS = 64
 # H200, B64 L32k, against the staging block: at D 128 8 rows 1.06-1.07x, 12 and 16 rows
 # 0.97-1.02x; at D 64 8 rows 1.41x, 12 rows 1.14x. At D 128 only from
 # DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 (request, KV head) pairs on: B1 L8k ran 0.82x and B8
-# L32k (64 pairs) 0.94-1.00x (benchmarks/results/decode_attention_fp8_in_registers.md,
-# decode_attention_fp8_register_sweep.md).
+# L32k (64 pairs) 0.94-1.00x (benchmarks/results/decode_attention_fp8_in_registers.md and
+# decode_attention_fp8_register_sweep/).
 DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 8}
 DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 = 512
 # Their ring at D 128, where no staging block sits beside it: B64 L32k, 8 rows, 2 stages 1316 us,
@@ -572,7 +572,8 @@ def paged_decode_attention_mosaic_gpu(
       plgpu.barrier_wait(schedule_barrier)
 
     def when_issuer(condition):
-      """``pl.when`` for the ring's TMA copies, which warpgroup 0 alone issues."""
+      """``pl.when`` for the ring's TMA copies that warpgroup 0 alone issues: all of them, or
+      with ping-pong the first ``num_stages`` (warpgroup 1 refills)."""
       return pl.when(condition & (wg == 0)) if warpgroups > 1 else pl.when(condition)
 
     # The chunk plan, from the request's length on the device. Lengths past the table's
