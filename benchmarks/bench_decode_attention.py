@@ -68,6 +68,10 @@ registers (``TuningConfig.fp8_in_registers``; ``results/decode_attention_fp8_in_
 and 32k) with its two warpgroups taking turns on the tensor cores (``TuningConfig.pingpong``)
 against free-running ones (``results/decode_attention_pingpong.{json,md}``).
 
+``--fp8-overlap-check`` instead times fp8 pages on row tiles (q_len 3, 6 and 7) with one staging
+block against K and V staged while the wgmmas run (``TuningConfig.fp8_staging_overlap``;
+``results/decode_attention_fp8_staging_overlap.{json,md}``).
+
 ``--fp8-register-sweep`` instead times the parts of that choice ``default_config`` rests on:
 ring depths with registers at D 128 and 64, registers against staging at 12 and 16 rows, at one
 request and at B8 (``results/decode_attention_fp8_register_sweep/``).
@@ -782,6 +786,27 @@ def fp8_registers_check(rng, out_dir, smoke=False):
   )
 
 
+def fp8_overlap_check(rng, out_dir, smoke=False):
+  """fp8 pages on row tiles (q_len 3 and 7): one staging block against separate K and V staging
+  blocks converted while the wgmmas run (``TuningConfig.fp8_staging_overlap``)."""
+  shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
+    ("B64 L32k", [32768] * 64, (3, 7), GROUP, HEAD_DIM, True),
+    ("B8 L32k", [32768] * 8, (3, 7), GROUP, HEAD_DIM, True),
+    ("B64 L32k", [32768] * 64, (6,), GLM_GROUP, HEAD_DIM, True),
+    ("B64 L32k", [32768] * 64, (7,), GROUP, 64, True),
+  ]
+  smoke_shapes = [("B2 L200", [200, 77], (3,), GROUP, HEAD_DIM, True)]
+  config_check(
+    rng,
+    out_dir,
+    "decode_attention_fp8_staging_overlap",
+    "fp8 pages, row tiles: K and V staged while the wgmmas run (variant) against one staging block",
+    lambda config: dataclasses.replace(config, fp8_staging_overlap=True),
+    smoke_shapes if smoke else shapes,
+    smoke,
+  )
+
+
 def fp8_register_sweep(rng, out_dir, smoke=False):
   """Where ``default_config`` turns ``fp8_in_registers`` on, and its ring depth: stages at D 128
   and D 64, then rows (12, 16) and pairs (B1, B8), each part against its own base config.
@@ -951,6 +976,12 @@ def main():
     "(decode_attention_fp8_in_registers.*)",
   )
   parser.add_argument(
+    "--fp8-overlap-check",
+    action="store_true",
+    help="only fp8 row tiles: one staging block against conversions overlapping the wgmmas "
+    "(decode_attention_fp8_staging_overlap.*)",
+  )
+  parser.add_argument(
     "--pingpong-check",
     action="store_true",
     help="only G 12: the 128-row tile with and without ping-pong (decode_attention_pingpong.*)",
@@ -988,6 +1019,7 @@ def main():
     "register_check": register_check,
     "fp8_register_sweep": fp8_register_sweep,
     "pingpong_check": pingpong_check,
+    "fp8_overlap_check": fp8_overlap_check,
   }
   for flag, check in checks.items():
     if getattr(args, flag):

@@ -157,6 +157,30 @@ FP8_CASES = [
   ),
 ]
 
+# Separate K and V staging blocks converted while the wgmmas run (fp8_staging_overlap): chunks
+# and refills, one stage (each refill is of the slot the next K waits on), two 64-row tiles,
+# 128-position blocks, the transposed tile, masked tails and rows that see nothing.
+FP8_OVERLAP_CASES = [
+  KernelCase(
+    seq_lens,
+    q_len,
+    hkv,
+    g,
+    d,
+    page,
+    dtype,
+    dataclasses.replace(cfg, fp8_staging_overlap=True),
+    True,
+  )
+  for seq_lens, q_len, hkv, g, d, page, dtype, cfg in [
+    ((70, 3, 0, 1), 3, 1, 2, 64, 16, BF16, TuningConfig(num_stages=2, num_chunks=2)),
+    ((129, 2, 7), 7, 1, 8, 128, 16, BF16, TuningConfig(num_stages=1)),
+    ((200, 5, 0, 70), 6, 1, 12, 64, 16, F16, TuningConfig(num_stages=2, fp8_8bit_layout=True)),
+    ((100, 6), 4, 1, 8, 64, 64, F16, TuningConfig(block_kv=128, num_stages=2)),
+    ((130, 3, 64), 1, 2, 8, 128, 32, BF16, TuningConfig(num_stages=3, transposed_scores=True)),
+  ]
+]
+
 
 # Transposed scores (TuningConfig.transposed_scores): S^T = K Q^T and O^T = V^T P^T with the
 # packed rows as the wgmma N dimension, rounded up to 8. One row (N 8), rows that are not a
@@ -233,6 +257,7 @@ MERGE_KERNEL_CASES = [
     + TWO_WARPGROUP_CASES
     + BALANCED_CASES
     + FP8_CASES
+    + FP8_OVERLAP_CASES
     + MERGE_KERNEL_CASES
     + TRANSPOSED_CASES
   ),
@@ -390,6 +415,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("transposed_scores", 1),
     ("fp8_8bit_layout", None),
     ("pingpong", 1),
+    ("fp8_staging_overlap", "no"),
   ],
 )
 def test_tuning_config_is_validated(field, value):
@@ -872,6 +898,15 @@ LOWERING_CASES = [
     BF16,
     BF16,
     TuningConfig(two_warpgroup_tiles=True, num_stages=2),
+  ),
+  (
+    "fp8 G8 q3 staging overlapped",
+    (4, 3, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    FP8,
+    TuningConfig(fp8_staging_overlap=True, num_stages=2),
   ),
   (
     "bf16 two warpgroups ping-pong",

@@ -100,7 +100,12 @@ then converts its V block into the same staging block for ``P V`` (reading the
 ``Q K^T`` accumulator has waited for that wgmma), and refills the slot: one
 staging block keeps a work item small enough for three per SM. Transposed
 tiles can instead keep both converted blocks in registers as the wgmmas' A
-operands (``TuningConfig.fp8_in_registers``), with no staging block. The wgmmas
+operands (``TuningConfig.fp8_in_registers``), with no staging block. Or
+(``TuningConfig.fp8_staging_overlap``) a K and a V staging block take the
+conversions off the tensor cores' path: V is converted while ``Q K^T`` runs, and
+the next block's K while ``P V`` runs (each wgmma reads the other block, whose
+previous reader has completed), so only the first K conversion of a work item
+waits in front of a wgmma. The wgmmas
 then run in float16, so q is given to the kernel in float16, scaled per row
 tile by a power of two ``s`` that maps the tile's largest magnitude below
 2^15: exact for every bf16 value within 2^29 of that maximum (smaller ones
@@ -195,6 +200,9 @@ class TuningConfig:
       fewer per step at D 128; no staging block). Native runs only, as
       ``operands_in_registers``. ``default_config`` turns it on for up to
       ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS`` packed rows.
+    fp8_staging_overlap: fp8 pages through staging: separate K and V staging blocks, V converted
+      while ``Q K^T`` runs and the next K while ``P V`` runs (module docstring, "fp8 pages"),
+      at 16 KiB more shared memory per item (D 128). Off by default: not yet measured.
     pingpong: two-warpgroup tiles only: the warpgroups take turns on the tensor cores (module
       docstring, "Ping-pong"). Needs ``num_stages`` >= 2. Off by default: not yet measured.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
@@ -231,6 +239,7 @@ class TuningConfig:
   transposed_scores: bool = False
   operands_in_registers: bool = True
   fp8_in_registers: bool = False
+  fp8_staging_overlap: bool = False
   pingpong: bool = False
 
   def __post_init__(self):
@@ -253,6 +262,7 @@ class TuningConfig:
       "transposed_scores",
       "operands_in_registers",
       "fp8_in_registers",
+      "fp8_staging_overlap",
       "pingpong",
     ):
       if not isinstance(getattr(self, name), bool):
@@ -338,13 +348,15 @@ def smem_bytes(
   head_dim: int, config: TuningConfig, rows: int = ROWS_PER_TILE, kv_itemsize=2
 ) -> int:
   """Shared memory of one work item: the K/V ring (and, for fp8 pages, the float16 block K and
-  then V is converted into), and the Q/output and P tiles of its ``rows`` (all warpgroups').
+  then V is converted into, or one for each with ``fp8_staging_overlap``), and the Q/output and
+  P tiles of its ``rows`` (all warpgroups').
 
   Row tiles keep P in registers on the GPU (module docstring), so there the count is 8 KiB
   above what they allocate; the plans built on it (resident items per SM, the fp8 ring depth)
   were measured with it."""
   ring = 2 * config.num_stages * config.block_kv * head_dim * kv_itemsize
-  staging = config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
+  staging_blocks = 2 if config.fp8_staging_overlap else 1
+  staging = staging_blocks * config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
   return ring + staging + rows * (head_dim + config.block_kv) * 2 + rows * 4
 
 
@@ -505,6 +517,8 @@ def paged_decode_attention_mosaic_gpu(
   # layout, which a register shuffle per pair turns into the wgmma layout after the conversion.
   fp8_in_registers = fp8 and transposed and config.fp8_in_registers and not interpret
   staged = fp8 and not fp8_in_registers  # the float16 staging block
+  # Separate K and V staging blocks, each converted while a wgmma reads the other.
+  overlapped = staged and config.fp8_staging_overlap
   pingpong = config.pingpong and warpgroups > 1
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
@@ -547,7 +561,9 @@ def paged_decode_attention_mosaic_gpu(
     request = lax.div(item, num_chunks)
     chunk = lax.rem(item, num_chunks)
     row_base = row_tile * rows_per_tile
-    if staged:
+    if overlapped:
+      staging_k, staging_v = next(extra_scratch), next(extra_scratch)  # f16 [block_kv, D] each
+    elif staged:
       staging = next(extra_scratch)  # f16 [block_kv, D]: the step's K block, then its V block
     if fp8:
       # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
@@ -654,27 +670,45 @@ def paged_decode_attention_mosaic_gpu(
       v_block[...] = jnp.where(attendable(positions, block, pages_in_pool), values, 0)
       plgpu.commit_smem()  # make the stores visible to the tensor cores
 
-    def to_staging(src, keep=None):
-      """fp8 block -> registers -> float16 (exact, one cvt per pair) -> the staging block."""
+    def to_staging(src, keep=None, dst=None):
+      """fp8 block -> registers -> float16 (exact, one cvt per pair) -> a staging block."""
       values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
       if keep is not None:
         values = jnp.where(keep, values, 0)
-      staging[...] = values
+      (staging if dst is None else dst)[...] = values
+
+    def v_keep(masked, block, pages_in_pool):
+      """Where a masked step keeps V (rows the mask removed may hold stale or NaN data, and
+      0 * NaN = NaN in P V), else None."""
+      if not masked:
+        return None
+      positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
+      return attendable(positions, block, pages_in_pool)
+
+    def stage_k(i):
+      """Overlapped staging: block ``start + i``'s K into ``staging_k`` (its copy waited)."""
+      slot = lax.rem(i, num_stages)
+      plgpu.barrier_wait(k_barriers.at[slot])
+      to_staging(k_smem.at[slot], dst=staging_k)
+      plgpu.commit_smem()
 
     def block_step(i, carry, *, masked, pages_in_pool):
       acc, m_i, l_i = carry
       block = start + i
       slot = lax.rem(i, num_stages)
       refill = i + num_stages
-      plgpu.barrier_wait(k_barriers.at[slot])
+      if overlapped:  # K was waited for and staged by the step before (or the prologue)
+        k_block, v_block = staging_k, staging_v
+      else:
+        plgpu.barrier_wait(k_barriers.at[slot])
       if fp8_in_registers:
         k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
         v_block = None  # converted once Q K^T is complete, below
-      elif fp8:
+      elif staged and not overlapped:
         to_staging(k_smem.at[slot])
         plgpu.commit_smem()
         k_block, v_block = staging, staging  # V is converted once Q K^T is complete
-      else:
+      elif not fp8:
         k_block, v_block = k_smem.at[slot], v_smem.at[slot]
 
       def compute_qk(acc_ref):
@@ -684,6 +718,9 @@ def paged_decode_attention_mosaic_gpu(
           plgpu.wgmma(acc_ref, q_tile, k_block.transpose((1, 0)))
         if pingpong:  # the other warpgroup's P V (or first Q K^T) goes next
           take_turn()
+        if overlapped:  # V while Q K^T runs (the previous P V, its reader, is complete)
+          plgpu.barrier_wait(v_barriers.at[slot])
+          to_staging(v_smem.at[slot], v_keep(masked, block, pages_in_pool), dst=staging_v)
         return acc_ref[...]
 
       qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
@@ -705,7 +742,8 @@ def paged_decode_attention_mosaic_gpu(
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
       if pingpong:  # softmax done: the other warpgroup may issue its next Q K^T
         plgpu.barrier_arrive(schedule_barrier)
-      plgpu.barrier_wait(v_barriers.at[slot])
+      if not overlapped:  # (overlapped: V was waited for and staged during Q K^T)
+        plgpu.barrier_wait(v_barriers.at[slot])
       if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
         v_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
         v_t = plgpu.layout_cast(v_t.astype(jnp.float16), plgpu.Layout.WGMMA)
@@ -714,13 +752,9 @@ def paged_decode_attention_mosaic_gpu(
             jnp.int32, (head_dim, block_kv), 1, layout=plgpu.Layout.WGMMA
           )
           v_t = jnp.where(attendable(positions, block, pages_in_pool), v_t, 0)
-      elif fp8:
-        keep = None
-        if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
-          positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
-          keep = attendable(positions, block, pages_in_pool)
-        to_staging(v_smem.at[slot], keep)  # reading qk above waited for the Q K^T wgmma
-      elif masked:
+      elif staged and not overlapped:  # reading qk waited for Q K^T, the staging block's reader
+        to_staging(v_smem.at[slot], v_keep(masked, block, pages_in_pool))
+      elif masked and not fp8:
         needs_zeroing = ((block + 1) * block_kv > kv_len) | jnp.logical_not(_all(pages_in_pool))
 
         @pl.when(needs_zeroing)
@@ -765,6 +799,8 @@ def paged_decode_attention_mosaic_gpu(
           plgpu.wgmma(pv_ref, v_operand, p_operand)
         else:  # O = P V
           plgpu.wgmma(pv_ref, p_operand, v_block)
+        if overlapped:  # the next K while P V runs (this step's Q K^T, its reader, is complete)
+          pl.when(i + 1 < num_steps)(functools.partial(stage_k, i + 1))
 
       if not operands_in_registers:  # into a fresh accumulator (the only form interpret runs)
 
@@ -819,6 +855,8 @@ def paged_decode_attention_mosaic_gpu(
     q_tile = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA) if operands_in_registers else qo_smem
     if pingpong:  # warpgroup 0 goes first
       pl.when(wg == 1)(take_turn)
+    if overlapped:  # the first K; every later one is staged during the step before
+      pl.when(num_steps > 0)(functools.partial(stage_k, 0))
     acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
     if pingpong:  # warpgroup 1's last arrival pairs with this one
       pl.when(wg == 0)(take_turn)
@@ -859,7 +897,7 @@ def paged_decode_attention_mosaic_gpu(
     scratch.append(
       plgpu.SMEM((*per_warpgroup, tile_rows, block_kv), compute_dtype, transforms=transforms)
     )
-  if staged:  # the float16 staging block
+  for _ in range(2 if overlapped else int(staged)):  # the float16 staging block(s)
     scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
   if warpgroups > 1 and pingpong:  # v_zeroed, schedule
     scratch += [plgpu.Barrier(), plgpu.Barrier(num_arrivals=2)]
