@@ -23,6 +23,12 @@ ring of ``stages`` shared-memory slots; a slot is refilled as soon as its step i
 * ``write_back``: each step's slot is stored to ``out [R, H]`` (a full gather, comparable with
   XLA's ``x[ids]``, which is timed in the same process); without it only each block's last slot
   is stored (``out [blocks, 128, 64]``), so the time is the loads' alone, as in a gate/up kernel.
+* ``wgmma_view`` (one variant): the row copies land in the ``(1, 64)``-tiled view and the stores
+  read the slot through the ``(8, 64)``-tiled view of the same bytes (a ``plgpu.RefUnion``), the
+  layout in which TMA and wgmma read a tile: its output matches ``x[ids]`` only if the two views
+  alias row for row, which the gate/up kernel's gather would rely on. ``RefUnion``'s contract
+  disclaims reading bytes through a member other than the one that wrote them, and GPU interpret
+  mode refuses it (jax 0.11.2), so only a GPU run can tell whether the layouts agree.
 
 Reported: time per call (median, steady state, ``benchmarks/_timing.py``), the rate of the
 gathered bytes (``R * H * 2`` / time), and row copies per SM per microsecond.
@@ -67,13 +73,17 @@ class Variant:
   stages: int = 4
   blocks_per_sm: int = 1
   issuing_warps: int = 1  # per-row copies: issued by one thread, or one per warp (1 or 4)
+  # Per-row copies land in the (1, 64)-tiled view; the stores read the same bytes through the
+  # (8, 64)-tiled view that TMA and wgmma use for a tile (a RefUnion of the two).
+  wgmma_view: bool = False
 
   @property
   def name(self) -> str:
     kind = "rows" if self.per_row else "tile"
     store = "+store" if self.write_back else ""
     warps = f" w{self.issuing_warps}" if self.issuing_warps > 1 else ""
-    return f"{kind}{store} s{self.stages} b{self.blocks_per_sm}{warps}"
+    view = " via (8,64) view" if self.wgmma_view else ""
+    return f"{kind}{store} s{self.stages} b{self.blocks_per_sm}{warps}{view}"
 
 
 def grid_blocks(num_rows: int, variant: Variant, *, rows_per_tile: int, sms: int) -> int:
@@ -97,6 +107,8 @@ def gather_kernel(
     raise ValueError(
       f"issuing_warps must be 1 or {WARPS_PER_WARPGROUP}, got {variant.issuing_warps}"
     )
+  if variant.wgmma_view and not variant.per_row:
+    raise ValueError("wgmma_view serves per-row copies only")
   if num_tokens % rows_per_tile or num_rows % rows_per_tile or hidden % COLS:
     raise ValueError(
       f"T={num_tokens}, R={num_rows} and H={hidden} must be multiples of {rows_per_tile}, "
@@ -108,7 +120,9 @@ def gather_kernel(
 
   def kernel(ids_ref, x_ref, out_ref, buf, barriers):
     # GMEM: ids_ref int32 [R], x_ref [T, H], out_ref (see above). SMEM: buf [stages, rows, COLS]
-    # tiled (1, COLS) and swizzled; barriers [stages] (rows_per_tile arrivals per-row, else 1).
+    # tiled (1, COLS) and swizzled (with wgmma_view: that view and the (8, COLS)-tiled one of
+    # the same bytes); barriers [stages] (rows_per_tile arrivals per-row, else 1).
+    row_buf, out_buf = buf if variant.wgmma_view else (buf, buf)  # where copies land / are read
     block = lax.axis_index("block")
     block_tiles = lax.div(num_tiles - block + num_blocks - 1, num_blocks)
     num_steps = block_tiles * k_steps
@@ -121,7 +135,7 @@ def gather_kernel(
       if not variant.per_row:  # the tile's rows of x, wrapped round its T rows
         rows = pl.ds(lax.rem(tile * rows_per_tile, num_tokens), rows_per_tile)
         plgpu.copy_gmem_to_smem(
-          x_ref.at[rows, pl.ds(column, COLS)], buf.at[slot], barriers.at[slot]
+          x_ref.at[rows, pl.ds(column, COLS)], row_buf.at[slot], barriers.at[slot]
         )
         return
 
@@ -129,7 +143,7 @@ def gather_kernel(
         token = ids_ref[tile * rows_per_tile + row]
         plgpu.copy_gmem_to_smem(
           x_ref.at[pl.ds(token, 1), pl.ds(column, COLS)],
-          buf.at[slot, pl.ds(row, 1)],
+          row_buf.at[slot, pl.ds(row, 1)],
           barriers.at[slot],
         )
         return carry
@@ -158,7 +172,8 @@ def gather_kernel(
         return carry
       tile, column = tile_and_column(j)
       plgpu.copy_smem_to_gmem(
-        buf.at[slot], out_ref.at[pl.ds(tile * rows_per_tile, rows_per_tile), pl.ds(column, COLS)]
+        out_buf.at[slot],
+        out_ref.at[pl.ds(tile * rows_per_tile, rows_per_tile), pl.ds(column, COLS)],
       )
       # The previous step's store has read its slot (this step's may still run): refill that.
       plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -168,20 +183,24 @@ def gather_kernel(
 
     lax.fori_loop(0, num_steps, step, None)
     if not variant.write_back:
-      plgpu.copy_smem_to_gmem(buf.at[lax.rem(num_steps - 1, stages)], out_ref.at[block])
+      plgpu.copy_smem_to_gmem(out_buf.at[lax.rem(num_steps - 1, stages)], out_ref.at[block])
     plgpu.wait_smem_to_gmem(0)
 
   if variant.write_back:
     out_shape = (num_rows, hidden)
   else:
     out_shape = (num_blocks, rows_per_tile, COLS)
-  transforms = (plgpu.TilingTransform((1, COLS)), plgpu.SwizzleTransform(128))
+
+  def ring(tile_rows):
+    transforms = (plgpu.TilingTransform((tile_rows, COLS)), plgpu.SwizzleTransform(128))
+    return plgpu.SMEM((stages, rows_per_tile, COLS), jnp.bfloat16, transforms=transforms)
+
   arrivals = rows_per_tile if variant.per_row else 1
   return plgpu.kernel(
     kernel,
     out_type=jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
     scratch_types=[
-      plgpu.SMEM((stages, rows_per_tile, COLS), jnp.bfloat16, transforms=transforms),
+      plgpu.RefUnion(ring(1), ring(8)) if variant.wgmma_view else ring(1),
       plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
     ],
     grid=(num_blocks,),
@@ -218,6 +237,8 @@ def variants(smoke: bool) -> list[Variant]:
   grid += [Variant(True, w, s, b) for w in (False, True) for s in (4, 6) for b in (1, 2)]
   # One issuing thread per warp (4 per warpgroup): whether the rate is the issuing thread's.
   grid += [Variant(True, w, 4, b, WARPS_PER_WARPGROUP) for w in (False, True) for b in (1, 2)]
+  # Whether the (1, 64) view's rows are where the (8, 64) view (TMA's and wgmma's) reads them.
+  grid.append(Variant(True, True, 4, 2, WARPS_PER_WARPGROUP, wgmma_view=True))
   return grid
 
 
@@ -244,7 +265,14 @@ def run(smoke: bool) -> dict:
       )
       num_blocks = grid_blocks(num_rows, variant, rows_per_tile=rows_per_tile, sms=sms)
       want = expected(id_sets[0], x, variant, rows_per_tile=rows_per_tile, num_blocks=num_blocks)
-      got = np.asarray(jax.jit(fn)(id_sets[0], x))
+      try:
+        got = np.asarray(jax.jit(fn)(id_sets[0], x))
+      except Exception as error:  # a variant that does not compile or run is reported, not fatal
+        if smoke:
+          raise
+        entries[variant.name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(num_tokens, variant.name, entries[variant.name], flush=True)
+        continue
       entry = {"matches": bool(np.array_equal(got, want))}
       if smoke and not entry["matches"]:
         raise AssertionError(f"{variant.name}: the kernel's rows differ from x[ids]")
@@ -282,14 +310,18 @@ def render(results: dict) -> str:
     + f". bf16 `x [T, H]`, top-{TOP_K} random row ids (`R = {TOP_K} T`), {COLS}-column steps.",
     "Variant names: rows = one copy per row, tile = one box per step; +store = every step "
     "stored to `out [R, H]`; sS = ring slots; bB = thread blocks per SM; w4 = the row copies "
-    "issued by the 4 warps of the warpgroup (one lane each), else by one thread. TB/s = "
-    "gathered bytes (R x H x 2) / time.",
+    "issued by the 4 warps of the warpgroup (one lane each), else by one thread; via (8,64) "
+    "view = stored through the wgmma-tiled view of a RefUnion (matches only if the views alias). "
+    "TB/s = gathered bytes (R x H x 2) / time.",
     "",
     "| T | R | variant | us | TB/s | copies per SM per us | ns per copy per SM | output matches |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for row in results["rows"]:
     for name, entry in row["entries"].items():
+      if "error" in entry:
+        lines.append(f"| {row['tokens']} | {row['rows']} | {name} | fails: {entry['error']} |")
+        continue
       rate = entry.get("copies_per_sm_per_us")
       lines.append(
         f"| {row['tokens']} | {row['rows']} | {name} | {entry['us']:.1f} | {entry['tbps']:.2f} | "

@@ -62,3 +62,43 @@ def test_probe_kernel_rejects_other_issuing_warp_counts():
       sms=2,
       interpret=True,
     )
+
+
+def test_probe_kernel_rejects_a_wgmma_view_of_tile_copies():
+  with pytest.raises(ValueError, match="wgmma_view serves per-row copies only"):
+    probe.gather_kernel(
+      NUM_TOKENS,
+      80,
+      HIDDEN,
+      probe.Variant(False, True, wgmma_view=True),
+      rows_per_tile=16,
+      sms=2,
+      interpret=True,
+    )
+
+
+def test_wgmma_view_variant_lowers_for_cuda():
+  """The RefUnion of the (1, 64)- and (8, 64)-tiled views lowers at the probe's full size (its
+  values can only be checked natively: interpret mode refuses a read through the other view)."""
+  variant = probe.Variant(True, True, 4, 2, probe.WARPS_PER_WARPGROUP, wgmma_view=True)
+  fn = probe.gather_kernel(8192, 65536, 4096, variant, rows_per_tile=128, sms=132, interpret=False)
+  args = (
+    jax.ShapeDtypeStruct((65536,), jnp.int32),
+    jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16),
+  )
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+def test_wgmma_view_aliases_the_row_view_on_the_gpu():
+  """Natively: rows copied into the (1, 64)-tiled view read back through the (8, 64)-tiled one
+  are ``x[ids]``, so a gather could feed wgmma through the union."""
+  variant = probe.Variant(True, True, 2, 1, probe.WARPS_PER_WARPGROUP, wgmma_view=True)
+  num_rows = 5 * 128
+  x = jax.random.normal(jax.random.key(0), (256, HIDDEN), jnp.bfloat16)
+  ids = jax.random.randint(jax.random.key(1), (num_rows,), 0, 256, jnp.int32)
+  fn = probe.gather_kernel(
+    256, num_rows, HIDDEN, variant, rows_per_tile=128, sms=2, interpret=False
+  )
+  np.testing.assert_array_equal(np.asarray(fn(ids, x)), np.asarray(x)[np.asarray(ids)])
