@@ -72,6 +72,11 @@ against free-running ones (``results/decode_attention_pingpong.{json,md}``).
 block against K and V staged while the wgmmas run (``TuningConfig.fp8_staging_overlap``;
 ``results/decode_attention_fp8_staging_overlap.{json,md}``).
 
+``--deferred-sum-check`` instead times q_len 1 on transposed tiles (G 8 and 12, D 128 and 64,
+B1 to B64, bf16 and fp8 pages) with the softmax denominators summed across the warps every step
+against once per work item (``TuningConfig.deferred_sum``;
+``results/decode_attention_deferred_sum{,_fp8}.{json,md}``).
+
 ``--fp8-register-sweep`` instead times the parts of that choice ``default_config`` rests on:
 ring depths with registers at D 128 and 64, registers against staging at 12 and 16 rows, at one
 request and at B8 (``results/decode_attention_fp8_register_sweep/``).
@@ -807,6 +812,41 @@ def fp8_overlap_check(rng, out_dir, smoke=False):
   )
 
 
+def deferred_sum_check(rng, out_dir, smoke=False):
+  """q_len 1 on transposed tiles (the default up to 16 rows): the softmax denominators summed
+  across the warps every step against once per work item (``TuningConfig.deferred_sum``); on
+  16-bit pages, then on fp8 pages in registers as ``default_config`` runs them at B64."""
+
+  def deferred(config):
+    return dataclasses.replace(config, deferred_sum=True)
+
+  b64, b8 = [32768] * 64, [32768] * 8
+  parts = [  # (stem, shapes (name, seq_lens, q_lens, G, D, fp8), base)
+    (
+      "decode_attention_deferred_sum",
+      [
+        ("B64 L32k", b64, (1,), GROUP, HEAD_DIM, False),
+        ("B8 L32k", b8, (1,), GROUP, HEAD_DIM, False),
+        ("B1 L32k", [32768], (1,), GROUP, HEAD_DIM, False),
+        ("B8 L32k", b8, (1,), GLM_GROUP, HEAD_DIM, False),
+        ("B64 L32k", b64, (1,), GROUP, 64, False),
+        ("B8 L32k", b8, (1,), GROUP, 64, False),
+      ],
+      {"transposed_scores": True},
+    ),
+    (
+      "decode_attention_deferred_sum_fp8",
+      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
+      {"transposed_scores": True, "fp8_in_registers": True, "num_stages": 4},
+    ),
+  ]
+  for stem, shapes, base in parts:
+    if smoke:
+      shapes = [("B2 L200", [200, 77], (1,), GROUP, HEAD_DIM, shapes[0][5])]
+    title = "q_len 1, transposed tiles: denominators summed once per work item (variant)"
+    config_check(rng, out_dir, stem, title, deferred, shapes, smoke, base=base)
+
+
 def fp8_register_sweep(rng, out_dir, smoke=False):
   """Where ``default_config`` turns ``fp8_in_registers`` on, and its ring depth: stages at D 128
   and D 64, then rows (12, 16) and pairs (B1, B8), each part against its own base config.
@@ -982,6 +1022,12 @@ def main():
     "(decode_attention_fp8_staging_overlap.*)",
   )
   parser.add_argument(
+    "--deferred-sum-check",
+    action="store_true",
+    help="only q_len 1 transposed tiles: denominators summed every step or once "
+    "(decode_attention_deferred_sum*.*)",
+  )
+  parser.add_argument(
     "--pingpong-check",
     action="store_true",
     help="only G 12: the 128-row tile with and without ping-pong (decode_attention_pingpong.*)",
@@ -1020,6 +1066,7 @@ def main():
     "fp8_register_sweep": fp8_register_sweep,
     "pingpong_check": pingpong_check,
     "fp8_overlap_check": fp8_overlap_check,
+    "deferred_sum_check": deferred_sum_check,
   }
   for flag, check in checks.items():
     if getattr(args, flag):

@@ -225,6 +225,32 @@ TRANSPOSED_CASES = [
       TuningConfig(num_stages=2, num_chunks=2, fp8_in_registers=True),
       True,
     ),
+    # Denominators summed once per work item (TuningConfig.deferred_sum): chunks, rows that
+    # see nothing, N 16 with padded rows, fp8 pages in registers, 128-position blocks.
+    ((70, 3, 0, 1), 1, 2, 1, 64, 16, BF16, TuningConfig(num_stages=2, deferred_sum=True), False),
+    ((129, 2, 7), 5, 1, 3, 128, 16, F16, TuningConfig(num_chunks=2, deferred_sum=True), False),
+    (
+      (200, 4, 0, 65),
+      1,
+      1,
+      8,
+      128,
+      32,
+      BF16,
+      TuningConfig(num_stages=2, fp8_in_registers=True, deferred_sum=True),
+      True,
+    ),
+    (
+      (300, 129, 0),
+      1,
+      1,
+      8,
+      64,
+      64,
+      BF16,
+      TuningConfig(block_kv=128, num_stages=2, deferred_sum=True),
+      False,
+    ),
   ]
 ]
 
@@ -416,6 +442,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("fp8_8bit_layout", None),
     ("pingpong", 1),
     ("fp8_staging_overlap", "no"),
+    ("deferred_sum", 0),
   ],
 )
 def test_tuning_config_is_validated(field, value):
@@ -907,6 +934,15 @@ LOWERING_CASES = [
     BF16,
     FP8,
     TuningConfig(fp8_staging_overlap=True, num_stages=2),
+  ),
+  (
+    "bf16 G8 q1 transposed, deferred sums",
+    (4, 1, 16, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    BF16,
+    TuningConfig(transposed_scores=True, deferred_sum=True, num_stages=2),
   ),
   (
     "bf16 two warpgroups ping-pong",

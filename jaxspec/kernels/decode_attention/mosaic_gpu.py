@@ -203,6 +203,11 @@ class TuningConfig:
     fp8_staging_overlap: fp8 pages through staging: separate K and V staging blocks, V converted
       while ``Q K^T`` runs and the next K while ``P V`` runs (module docstring, "fp8 pages"),
       at 16 KiB more shared memory per item (D 128). Off by default: not yet measured.
+    deferred_sum: transposed tiles only: the softmax denominators accumulate per score element
+      (``block_kv * N / 128`` more float32 registers per thread) and are summed across the KV
+      positions once per work item, which on a transposed tile is a reduction across the
+      warpgroup's warps (through shared memory), instead of once per step; as FlashAttention-2
+      keeps per-thread partial row sums. Off by default: not yet measured.
     pingpong: two-warpgroup tiles only: the warpgroups take turns on the tensor cores (module
       docstring, "Ping-pong"). Needs ``num_stages`` >= 2. Off by default: not yet measured.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
@@ -240,6 +245,7 @@ class TuningConfig:
   operands_in_registers: bool = True
   fp8_in_registers: bool = False
   fp8_staging_overlap: bool = False
+  deferred_sum: bool = False
   pingpong: bool = False
 
   def __post_init__(self):
@@ -263,6 +269,7 @@ class TuningConfig:
       "operands_in_registers",
       "fp8_in_registers",
       "fp8_staging_overlap",
+      "deferred_sum",
       "pingpong",
     ):
       if not isinstance(getattr(self, name), bool):
@@ -520,6 +527,8 @@ def paged_decode_attention_mosaic_gpu(
   # Separate K and V staging blocks, each converted while a wgmma reads the other.
   overlapped = staged and config.fp8_staging_overlap
   pingpong = config.pingpong and warpgroups > 1
+  # Softmax denominators per score element, summed over the positions after the last step.
+  deferred_sum = config.deferred_sum and transposed
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -738,7 +747,10 @@ def paged_decode_attention_mosaic_gpu(
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_shift)
       p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
-      l_i = l_i * alpha + p.sum(axis=pos_axis)
+      if deferred_sum:  # [block_kv, N]: no reduction across warps in the step
+        l_i = l_i * lax.broadcast_in_dim(alpha, qk.shape, [row_axis]) + p
+      else:
+        l_i = l_i * alpha + p.sum(axis=pos_axis)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
       if pingpong:  # softmax done: the other warpgroup may issue its next Q K^T
         plgpu.barrier_arrive(schedule_barrier)
@@ -847,7 +859,10 @@ def paged_decode_attention_mosaic_gpu(
 
     row_layout = plgpu.Layout.WGMMA.reduce(pos_axis)
     m_i = plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
+    if deferred_sum:
+      l_i = plgpu.layout_cast(jnp.full(scores_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    else:
+      l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
     acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
     pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
     # Row tiles take Q as the A operand of S = Q K^T from registers, loaded once per work item
@@ -858,6 +873,8 @@ def paged_decode_attention_mosaic_gpu(
     if overlapped:  # the first K; every later one is staged during the step before
       pl.when(num_steps > 0)(functools.partial(stage_k, 0))
     acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
+    if deferred_sum:
+      l_i = l_i.sum(axis=pos_axis)
     if pingpong:  # warpgroup 1's last arrival pairs with this one
       pl.when(wg == 0)(take_turn)
 
