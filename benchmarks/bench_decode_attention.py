@@ -816,10 +816,6 @@ def deferred_sum_check(rng, out_dir, smoke=False):
   """q_len 1 on transposed tiles (the default up to 16 rows): the softmax denominators summed
   across the warps every step against once per work item (``TuningConfig.deferred_sum``); on
   16-bit pages, then on fp8 pages in registers as ``default_config`` runs them at B64."""
-
-  def deferred(config):
-    return dataclasses.replace(config, deferred_sum=True)
-
   b64, b8 = [32768] * 64, [32768] * 8
   parts = [  # (stem, shapes (name, seq_lens, q_lens, G, D, fp8), base)
     (
@@ -844,7 +840,16 @@ def deferred_sum_check(rng, out_dir, smoke=False):
     if smoke:
       shapes = [("B2 L200", [200, 77], (1,), GROUP, HEAD_DIM, shapes[0][5])]
     title = "q_len 1, transposed tiles: denominators summed once per work item (variant)"
-    config_check(rng, out_dir, stem, title, deferred, shapes, smoke, base=base)
+    config_check(
+      rng,
+      out_dir,
+      stem,
+      title,
+      lambda config: dataclasses.replace(config, deferred_sum=True),
+      shapes,
+      smoke,
+      base=base,
+    )
 
 
 def fp8_register_sweep(rng, out_dir, smoke=False):
@@ -860,26 +865,17 @@ def fp8_register_sweep(rng, out_dir, smoke=False):
   def stages(count):
     return lambda config: dataclasses.replace(config, num_stages=count)
 
+  d128 = [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)]
   parts = [  # (part, title, variant, shapes (name, seq_lens, q_lens, G, D, fp8), base)
-    (
-      "d128_stages3",
-      "D 128 in registers: 2 (base) / 3 stages",
-      stages(3),
-      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
-      registers,
-    ),
-    (
-      "d128_stages4",
-      "D 128 in registers: 2 (base) / 4 stages",
-      stages(4),
-      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
-      registers,
-    ),
+    *[
+      (f"d128_stages{n}", f"D 128 in registers: 2 (base) / {n} stages", stages(n), d128, registers)
+      for n in (3, 4)
+    ],
     (
       "d128_stages6",
       "D 128 in registers: 4 (base) / 6 stages",
       stages(6),
-      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
+      d128,
       {**registers, "num_stages": 4},
     ),
     (

@@ -895,25 +895,25 @@ def test_fp8_pages_serve_queries_of_any_bf16_magnitude(exponent, interpret):
 # ---------------------------------------------------------------------------------------------
 # The real Mosaic GPU lowering, without a GPU: interpret mode is more permissive.
 
+
+def _g8_d128(name, q_len, kv_dtype, config):
+  """A lowering case at G 8, D 128: 4 requests of bf16 q over 2 KV heads of 16-position pages."""
+  return (name, (4, q_len, 16, 128), (2, 64, 16, 128), 16, BF16, kv_dtype, config)
+
+
 LOWERING_CASES = [
   # id, (B, q_len, Hq, D), (Hkv, num_pages, page, D), max_pages, q dtype, pages' dtype, config
-  ("bf16 G8 q7", (4, 7, 16, 128), (2, 64, 16, 128), 16, BF16, BF16, None),
+  _g8_d128("bf16 G8 q7", 7, BF16, None),
   ("f16 G12 q6 two tiles", (2, 6, 24, 64), (2, 32, 64, 64), 4, F16, F16, None),
-  (
+  _g8_d128(
     "bf16 G8 q7 operands in shared memory",
-    (4, 7, 16, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
+    7,
     BF16,
     TuningConfig(operands_in_registers=False, num_stages=2),
   ),
-  (
+  _g8_d128(
     "fp8 G8 q3 operands in shared memory",
-    (4, 3, 16, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
+    3,
     FP8,
     TuningConfig(operands_in_registers=False, num_stages=2),
   ),
@@ -926,21 +926,12 @@ LOWERING_CASES = [
     BF16,
     TuningConfig(two_warpgroup_tiles=True, num_stages=2),
   ),
-  (
-    "fp8 G8 q3 staging overlapped",
-    (4, 3, 16, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
-    FP8,
-    TuningConfig(fp8_staging_overlap=True, num_stages=2),
+  _g8_d128(
+    "fp8 G8 q3 staging overlapped", 3, FP8, TuningConfig(fp8_staging_overlap=True, num_stages=2)
   ),
-  (
+  _g8_d128(
     "bf16 G8 q1 transposed, deferred sums",
-    (4, 1, 16, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
+    1,
     BF16,
     TuningConfig(transposed_scores=True, deferred_sum=True, num_stages=2),
   ),
@@ -953,17 +944,9 @@ LOWERING_CASES = [
     BF16,
     TuningConfig(two_warpgroup_tiles=True, num_stages=2, pingpong=True),
   ),
-  ("fp8 bf16 D128 G8 q3", (4, 3, 16, 128), (2, 64, 16, 128), 16, BF16, FP8, None),
+  _g8_d128("fp8 bf16 D128 G8 q3", 3, FP8, None),
   ("fp8 f16 D64 q1", (3, 1, 8, 64), (1, 64, 32, 64), 8, F16, FP8, TuningConfig(num_chunks=3)),
-  (
-    "bf16 G8 q1 transposed",
-    (4, 1, 16, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
-    BF16,
-    TuningConfig(transposed_scores=True),
-  ),
+  _g8_d128("bf16 G8 q1 transposed", 1, BF16, TuningConfig(transposed_scores=True)),
   (
     "f16 G12 q7 transposed",
     (2, 7, 24, 64),
@@ -973,21 +956,10 @@ LOWERING_CASES = [
     F16,
     TuningConfig(transposed_scores=True, block_kv=128),
   ),
-  (
-    "fp8 bf16 G8 q3 transposed",
-    (4, 3, 16, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
-    FP8,
-    TuningConfig(transposed_scores=True, num_stages=2),
-  ),
-  (
+  _g8_d128("fp8 bf16 G8 q3 transposed", 3, FP8, TuningConfig(transposed_scores=True, num_stages=2)),
+  _g8_d128(
     "fp8 bf16 G8 q1 K and V in registers",
-    (4, 1, 16, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
+    1,
     FP8,
     TuningConfig(transposed_scores=True, fp8_in_registers=True, num_stages=2),
   ),

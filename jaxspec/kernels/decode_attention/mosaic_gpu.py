@@ -572,8 +572,8 @@ def paged_decode_attention_mosaic_gpu(
     row_base = row_tile * rows_per_tile
     if overlapped:
       staging_k, staging_v = next(extra_scratch), next(extra_scratch)  # f16 [block_kv, D] each
-    elif staged:
-      staging = next(extra_scratch)  # f16 [block_kv, D]: the step's K block, then its V block
+    elif staged:  # f16 [block_kv, D]: the step's K block, then its V block
+      staging_k = staging_v = next(extra_scratch)
     if fp8:
       # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
       q_scale = q_scale_ref[request, kv_head, row_tile]
@@ -679,12 +679,12 @@ def paged_decode_attention_mosaic_gpu(
       v_block[...] = jnp.where(attendable(positions, block, pages_in_pool), values, 0)
       plgpu.commit_smem()  # make the stores visible to the tensor cores
 
-    def to_staging(src, keep=None, dst=None):
+    def to_staging(src, dst, keep=None):
       """fp8 block -> registers -> float16 (exact, one cvt per pair) -> a staging block."""
       values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
       if keep is not None:
         values = jnp.where(keep, values, 0)
-      (staging if dst is None else dst)[...] = values
+      dst[...] = values
 
     def v_keep(masked, block, pages_in_pool):
       """Where a masked step keeps V (rows the mask removed may hold stale or NaN data, and
@@ -698,7 +698,7 @@ def paged_decode_attention_mosaic_gpu(
       """Overlapped staging: block ``start + i``'s K into ``staging_k`` (its copy waited)."""
       slot = lax.rem(i, num_stages)
       plgpu.barrier_wait(k_barriers.at[slot])
-      to_staging(k_smem.at[slot], dst=staging_k)
+      to_staging(k_smem.at[slot], staging_k)
       plgpu.commit_smem()
 
     def block_step(i, carry, *, masked, pages_in_pool):
@@ -706,18 +706,17 @@ def paged_decode_attention_mosaic_gpu(
       block = start + i
       slot = lax.rem(i, num_stages)
       refill = i + num_stages
-      if overlapped:  # K was waited for and staged by the step before (or the prologue)
-        k_block, v_block = staging_k, staging_v
-      else:
+      if not overlapped:  # (overlapped: the step before, or the prologue, waited and staged K)
         plgpu.barrier_wait(k_barriers.at[slot])
       if fp8_in_registers:
         k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
         v_block = None  # converted once Q K^T is complete, below
-      elif staged and not overlapped:
-        to_staging(k_smem.at[slot])
-        plgpu.commit_smem()
-        k_block, v_block = staging, staging  # V is converted once Q K^T is complete
-      elif not fp8:
+      elif staged:  # one block unless overlapped: V is converted once Q K^T is complete
+        if not overlapped:
+          to_staging(k_smem.at[slot], staging_k)
+          plgpu.commit_smem()
+        k_block, v_block = staging_k, staging_v
+      else:
         k_block, v_block = k_smem.at[slot], v_smem.at[slot]
 
       def compute_qk(acc_ref):
@@ -729,7 +728,7 @@ def paged_decode_attention_mosaic_gpu(
           take_turn()
         if overlapped:  # V while Q K^T runs (the previous P V, its reader, is complete)
           plgpu.barrier_wait(v_barriers.at[slot])
-          to_staging(v_smem.at[slot], v_keep(masked, block, pages_in_pool), dst=staging_v)
+          to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
         return acc_ref[...]
 
       qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
@@ -765,7 +764,7 @@ def paged_decode_attention_mosaic_gpu(
           )
           v_t = jnp.where(attendable(positions, block, pages_in_pool), v_t, 0)
       elif staged and not overlapped:  # reading qk waited for Q K^T, the staging block's reader
-        to_staging(v_smem.at[slot], v_keep(masked, block, pages_in_pool))
+        to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
       elif masked and not fp8:
         needs_zeroing = ((block + 1) * block_kv > kv_len) | jnp.logical_not(_all(pages_in_pool))
 
