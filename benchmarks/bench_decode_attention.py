@@ -64,10 +64,6 @@ and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs 
 12, D 128 and 64) with K and V through the float16 staging block against both converted in
 registers (``TuningConfig.fp8_in_registers``; ``results/decode_attention_fp8_in_registers.*``).
 
-``--pingpong-check`` instead times the 128-row tile at G 12 (q_len 6 and 7, B8 and B64, L 8k
-and 32k) with its two warpgroups taking turns on the tensor cores (``TuningConfig.pingpong``)
-against free-running ones (``results/decode_attention_pingpong.{json,md}``).
-
 ``--fp8-overlap-check`` instead times fp8 pages on row tiles (q_len 3, 6 and 7) with one staging
 block against K and V staged while the wgmmas run (``TuningConfig.fp8_staging_overlap``;
 ``results/decode_attention_fp8_staging_overlap.{json,md}``).
@@ -80,6 +76,9 @@ against once per work item (``TuningConfig.deferred_sum``;
 ``--fp8-register-sweep`` instead times the parts of that choice ``default_config`` rests on:
 ring depths with registers at D 128 and 64, registers against staging at 12 and 16 rows, at one
 request and at B8 (``results/decode_attention_fp8_register_sweep/``).
+
+``--d64-stage-sweep`` instead times the ring depth of transposed tiles at D 64, q_len 1 (2, 3, 6
+and 8 stages against 4; ``results/decode_attention_d64_q1_stages/``).
 
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
@@ -692,20 +691,6 @@ def two_warpgroup_check(rng, out_dir, smoke=False):
   )
 
 
-def pingpong_check(rng, out_dir, smoke=False):
-  """G 12: the 128-row tile of two warpgroups with and without the ping-pong schedule."""
-  config_check(
-    rng,
-    out_dir,
-    "decode_attention_pingpong",
-    "128-row tile: ping-pong schedule (variant) against free-running warpgroups",
-    lambda config: dataclasses.replace(config, pingpong=True),
-    _glm_many_row_shapes(smoke),
-    smoke,
-    base={"two_warpgroup_tiles": True},
-  )
-
-
 def register_check(rng, out_dir, smoke=False):
   """Row tiles with Q and P in registers (default, without the pair count) against shared
   memory, at the small batches where ``DEFAULT_REGISTER_OPERANDS_MIN_PAIRS`` draws its line."""
@@ -849,6 +834,31 @@ def deferred_sum_check(rng, out_dir, smoke=False):
       shapes,
       smoke,
       base=base,
+    )
+
+
+def d64_stage_sweep(rng, out_dir, smoke=False):
+  """The ring depth of transposed tiles at D 64 on 16-bit pages (q_len 1, with the denominators
+  summed once, as ``default_config`` runs them): 2, 3, 6 and 8 stages against 4. Writes
+  ``d64_q1_stages{n}.{json,md}`` under ``decode_attention_d64_q1_stages/``."""
+  out_dir = out_dir / "decode_attention_d64_q1_stages"
+  out_dir.mkdir(parents=True, exist_ok=True)
+  shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
+    ("B64 L32k", [32768] * 64, (1,), GROUP, 64, False),
+    ("B8 L32k", [32768] * 8, (1,), GROUP, 64, False),
+  ]
+  if smoke:
+    shapes = [("B2 L200", [200, 77], (1,), GROUP, 64, False)]
+  for count in (2, 3, 6, 8):
+    config_check(
+      rng,
+      out_dir,
+      f"d64_q1_stages{count}",
+      f"D 64 q_len 1, transposed tiles, denominators summed once: {count} stages (variant)",
+      lambda config, count=count: dataclasses.replace(config, num_stages=count),
+      shapes,
+      smoke,
+      base={"transposed_scores": True, "deferred_sum": True},
     )
 
 
@@ -1024,15 +1034,15 @@ def main():
     "(decode_attention_deferred_sum*.*)",
   )
   parser.add_argument(
-    "--pingpong-check",
-    action="store_true",
-    help="only G 12: the 128-row tile with and without ping-pong (decode_attention_pingpong.*)",
-  )
-  parser.add_argument(
     "--fp8-register-sweep",
     action="store_true",
     help="only: where fp8_in_registers pays, and its ring depth "
     "(decode_attention_fp8_register_sweep/)",
+  )
+  parser.add_argument(
+    "--d64-stage-sweep",
+    action="store_true",
+    help="only: the ring depth of D 64 transposed tiles (decode_attention_d64_q1_stages/)",
   )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
@@ -1060,7 +1070,7 @@ def main():
     "fp8_registers_check": fp8_registers_check,
     "register_check": register_check,
     "fp8_register_sweep": fp8_register_sweep,
-    "pingpong_check": pingpong_check,
+    "d64_stage_sweep": d64_stage_sweep,
     "fp8_overlap_check": fp8_overlap_check,
     "deferred_sum_check": deferred_sum_check,
   }

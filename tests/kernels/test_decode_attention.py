@@ -77,21 +77,6 @@ TWO_WARPGROUP_CASES = [
     ((129, 6, 1), 7, 1, 12, 128, 32, F16, TuningConfig(num_stages=2, num_chunks=1)),
     ((250, 3, 64), 5, 1, 16, 128, 16, BF16, TuningConfig(num_stages=1, num_chunks=3)),
     ((190, 7, 0), 8, 2, 16, 64, 64, BF16, TuningConfig(block_kv=128, num_stages=2)),
-    # Ping-pong: the warpgroups take turns, warpgroup 1 refills; refills with 2 and 3 stages,
-    # chunks, a request with no blocks (only the two unpaired turns), masked tails, 128-position
-    # blocks.
-    ((200, 4, 0, 65), 6, 1, 12, 64, 16, BF16, TuningConfig(num_stages=2, pingpong=True)),
-    (
-      (450, 6, 1),
-      7,
-      2,
-      12,
-      128,
-      32,
-      F16,
-      TuningConfig(num_stages=3, num_chunks=2, pingpong=True),
-    ),
-    ((190, 7, 0), 8, 1, 16, 64, 64, BF16, TuningConfig(block_kv=128, num_stages=2, pingpong=True)),
   ]
 ]
 
@@ -440,7 +425,6 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("merge_kernel", 1),
     ("transposed_scores", 1),
     ("fp8_8bit_layout", None),
-    ("pingpong", 1),
     ("fp8_staging_overlap", "no"),
     ("deferred_sum", 0),
   ],
@@ -448,14 +432,6 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
 def test_tuning_config_is_validated(field, value):
   with pytest.raises(ValueError, match=field):
     TuningConfig(**{field: value})
-
-
-def test_pingpong_needs_two_stages():
-  """With one stage warpgroup 0's next block would wait for warpgroup 1's refill, which waits
-  for warpgroup 0's turn: refused before anything compiles."""
-  with pytest.raises(ValueError, match="pingpong needs num_stages >= 2, got 1"):
-    TuningConfig(num_stages=1, two_warpgroup_tiles=True, pingpong=True)
-  assert TuningConfig(num_stages=2, pingpong=True).pingpong
 
 
 @pytest.mark.parametrize(
@@ -536,11 +512,46 @@ def test_default_config_converts_fp8_in_registers_for_few_rows(
 
 @pytest.mark.parametrize("head_dim, stages", [(128, 2), (64, 6)])
 def test_fp8_default_config_keeps_three_items_per_sm(head_dim, stages):
-  config = default_config(head_dim, 16, FP8)
-  assert config.num_stages == stages and config.fp8_8bit_layout
-  item = mosaic_gpu.smem_bytes(head_dim, config, kv_itemsize=1)
+  """The fp8 ring is as deep as three items of one staging block allow; row tiles keep that ring
+  and add the second staging block (two items per SM), transposed tiles keep one block."""
+  transposed = default_config(head_dim, 16, FP8, num_rows=16)
+  rows = default_config(head_dim, 16, FP8, num_rows=24)
+  assert transposed.transposed_scores and not transposed.fp8_in_registers
+  assert not transposed.fp8_staging_overlap and rows.fp8_staging_overlap
+  for config in (transposed, rows):
+    assert config.num_stages == stages and config.fp8_8bit_layout
+  item = mosaic_gpu.smem_bytes(head_dim, transposed, kv_itemsize=1)
   assert 3 * item <= mosaic_gpu._SMEM_PER_SM < 4 * item
+  overlapped_item = mosaic_gpu.smem_bytes(head_dim, rows, kv_itemsize=1)
+  assert 2 * overlapped_item <= mosaic_gpu._SMEM_PER_SM < 3 * overlapped_item
   assert not default_config(head_dim, 16, BF16).fp8_8bit_layout
+
+
+def test_default_config_gives_d64_transposed_tiles_two_stages():
+  """The measured policy: transposed tiles on 16-bit pages at D 64 take a 2-stage ring (more
+  items per SM); D 64 row tiles keep the 64 KiB ring, fp8 pages their own."""
+  assert default_config(64, 16, BF16, num_rows=8).num_stages == 2
+  assert default_config(64, 16, BF16, num_rows=24).num_stages == 4
+  assert default_config(64, 16, FP8, num_rows=16).num_stages == 6
+
+
+@pytest.mark.parametrize(
+  "q_len, group, head_dim, kv_dtype, overlap, deferred",
+  [(1, 8, 128, BF16, False, False), (1, 8, 64, BF16, False, True), (1, 12, 128, F16, False, True)]
+  + [(3, 8, 128, BF16, False, False), (1, 8, 64, FP8, False, False)]
+  + [(1, 12, 128, FP8, False, False), (3, 8, 128, FP8, True, False), (7, 12, 64, FP8, True, False)],
+)
+def test_default_config_overlaps_fp8_staging_and_defers_sums_where_measured(
+  q_len, group, head_dim, kv_dtype, overlap, deferred
+):
+  """The measured policy: fp8 row tiles stage K and V in separate blocks; transposed tiles on
+  16-bit pages sum the softmax denominators once per item at D 64 or beyond 8 rows."""
+  q = jax.ShapeDtypeStruct((64, q_len, 2 * group, head_dim), BF16)  # 128 pairs
+  pages = jax.ShapeDtypeStruct((2, 64, 16, head_dim), kv_dtype)
+  config = api._default_config(q, pages)
+  assert config.fp8_staging_overlap == overlap
+  assert config.deferred_sum == deferred
+  assert not default_config(head_dim, 16, kv_dtype).deferred_sum  # rows unknown: row tiles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -934,15 +945,6 @@ LOWERING_CASES = [
     1,
     BF16,
     TuningConfig(transposed_scores=True, deferred_sum=True, num_stages=2),
-  ),
-  (
-    "bf16 two warpgroups ping-pong",
-    (2, 7, 24, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
-    BF16,
-    TuningConfig(two_warpgroup_tiles=True, num_stages=2, pingpong=True),
   ),
   _g8_d128("fp8 bf16 D128 G8 q3", 3, FP8, None),
   ("fp8 f16 D64 q1", (3, 1, 8, 64), (1, 64, 32, 64), 8, F16, FP8, TuningConfig(num_chunks=3)),

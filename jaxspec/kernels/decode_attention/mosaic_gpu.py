@@ -46,19 +46,6 @@ waiter, as GPU interpret mode checks. Its race detector does not track the
 shared-memory reads of ``wgmma`` yet, so a missing ``consumed`` wait would only
 show on the GPU.
 
-Ping-pong (``TuningConfig.pingpong``, FlashAttention-3's inter-warpgroup
-schedule, Shah et al. 2024, as jax's ``attention_mgpu.py`` runs it): the two
-warpgroups take turns on the tensor cores, so that one's softmax runs while the
-other's ``wgmma`` does. A ``schedule`` barrier of two arrivals orders them:
-warpgroup 1 arrives once before its first step and warpgroup 0 once after its
-last, and each arrives after issuing ``Q K^T`` and again after its softmax,
-waiting on the barrier before reading ``Q K^T`` and before issuing ``P V``. So
-warpgroup 1 issues its ``P V`` on a slot only after warpgroup 0 issued its next
-``Q K^T``, by which time warpgroup 0's ``P V`` on that slot is complete: warpgroup
-1 refills the slot after its own ``P V`` and no ``consumed`` barrier is needed
-(with one stage, warpgroup 0's next step would wait for that refill, which
-waits for warpgroup 0: the schedule needs two stages or more).
-
 Transposed scores (``TuningConfig.transposed_scores``, FlashAttention-3's
 backward pass computes ``S^T = K Q^T`` the same way): with the packed rows as
 the wgmma N dimension (a multiple of 8, up to 128) and the KV positions as M,
@@ -173,6 +160,12 @@ DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 = 512
 # 3 stages 1340, 4 stages 1241 and 1247, 6 stages 1567. At D 64 the staging-sized ring (6 stages)
 # stays: 870 us against 1075 with 8.
 FP8_IN_REGISTERS_STAGES_D128 = 4
+# default_config's ring for transposed tiles on 16-bit pages at D 64, where a stage is 16 KiB:
+# the smaller ring fits more work items per SM. H200, 8 rows, same process, against 4 stages:
+# B64 L32k 959 against 1000 us (3 stages 978 against 982), B8 L32k 130 against 140 (3 stages 130
+# against 131); 6 stages 0.89-0.91x, 8 stages 0.52-0.56x
+# (benchmarks/results/decode_attention_d64_q1_stages/).
+TRANSPOSED_STAGES_D64 = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,14 +195,14 @@ class TuningConfig:
       ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS`` packed rows.
     fp8_staging_overlap: fp8 pages through staging: separate K and V staging blocks, V converted
       while ``Q K^T`` runs and the next K while ``P V`` runs (module docstring, "fp8 pages"),
-      at 16 KiB more shared memory per item (D 128). Off by default: not yet measured.
+      at 16 KiB more shared memory per item (D 128). ``default_config`` turns it on for fp8 row
+      tiles.
     deferred_sum: transposed tiles only: the softmax denominators accumulate per score element
       (``block_kv * N / 128`` more float32 registers per thread) and are summed across the KV
       positions once per work item, which on a transposed tile is a reduction across the
       warpgroup's warps (through shared memory), instead of once per step; as FlashAttention-2
-      keeps per-thread partial row sums. Off by default: not yet measured.
-    pingpong: two-warpgroup tiles only: the warpgroups take turns on the tensor cores (module
-      docstring, "Ping-pong"). Needs ``num_stages`` >= 2. Off by default: not yet measured.
+      keeps per-thread partial row sums. ``default_config`` turns it on for 16-bit pages at D 64
+      or beyond 8 rows.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
       ``O^T = V^T P^T`` with the packed rows as the wgmma N dimension, rounded
       up to 8 instead of 64 (module docstring, "Transposed scores"): one tile
@@ -246,7 +239,6 @@ class TuningConfig:
   fp8_in_registers: bool = False
   fp8_staging_overlap: bool = False
   deferred_sum: bool = False
-  pingpong: bool = False
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -270,12 +262,9 @@ class TuningConfig:
       "fp8_in_registers",
       "fp8_staging_overlap",
       "deferred_sum",
-      "pingpong",
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    if self.pingpong and self.num_stages < 2:
-      raise ValueError(f"pingpong needs num_stages >= 2, got {self.num_stages}")
 
 
 def default_config(
@@ -298,7 +287,11 @@ def default_config(
   benchmarks/results/decode_attention.md). fp8 pages halve the ring's bytes per
   stage but add a float16 staging block; their ring gets as many stages (at
   most 8) as keep ``FP8_ITEMS_PER_SM`` work items on an SM (B64 L32k q7: 2 stages,
-  three items, 2170 us; 3 stages, two items, 2296 us), and load in the 8-bit layout.
+  three items, 2170 us; 3 stages, two items, 2296 us), and load in the 8-bit layout. fp8
+  row tiles keep that ring and take a second staging block (``fp8_staging_overlap``), which
+  leaves two items per SM but converts beside the wgmmas: H200, same process, 1.01-1.05x at B8
+  and B64 L32k, q_len 3-7, G 8 and 12, D 128 and 64 (B64 L32k q_len 3 1838 against 1889 us;
+  ``benchmarks/results/decode_attention_fp8_staging_overlap.md``).
 
   Transposed scores (H200, bf16, against 64-row tiles, same process): at 8 rows (G 8, q_len
   1) 1.03-1.26x at D 128 (B1 L8k 15.6 against 19.6 us, B64 L32k 1893 against 1952 us) and
@@ -307,6 +300,10 @@ def default_config(
   L32k (1403 against 2062 us) and 1.44x at B8 L32k, at 16 rows 1.13x at B64 L32k, at 24 rows
   0.87x, at 56 rows 0.59x. Few fp8 rows in many pairs also convert K and V in registers
   (``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``; at D 128 with ``FP8_IN_REGISTERS_STAGES_D128``).
+  Transposed tiles on 16-bit pages sum the softmax denominators once per work item
+  (``deferred_sum``) at D 64 and beyond 8 rows, where it ran 1.02-1.05x (D 64 B8 and B64 L32k,
+  G 12 B8 L32k); at 8 rows and D 128 it ran 0.96-1.01x (B1, B8, B64 L32k) and with fp8 pages in
+  registers 0.89x (``benchmarks/results/decode_attention_deferred_sum*.md``).
 
   More than 64 packed rows with 16-bit pages take the 128-row two-warpgroup tile: once Q and P
   reached wgmma from registers it ran G 12 q_len 6/7 at B64 L32k in 3086 / 3129 us against
@@ -336,18 +333,23 @@ def default_config(
   num_stages = max(2, min(8, ring_budget // block_bytes))
   if fp8_in_registers and head_dim == 128:
     num_stages = FP8_IN_REGISTERS_STAGES_D128
+  transposed = num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS
+  if transposed and kv_itemsize == 2 and head_dim == 64:
+    num_stages = TRANSPOSED_STAGES_D64
   return TuningConfig(
     block_kv=block_kv,
     num_stages=num_stages,
     balance_waves=DEFAULT_BALANCE_WAVES,
     fp8_8bit_layout=kv_itemsize == 1,
-    transposed_scores=num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS,
+    transposed_scores=transposed,
     # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once.
     two_warpgroup_tiles=(
       many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE and kv_itemsize == 2
     ),
     operands_in_registers=many_pairs,
     fp8_in_registers=fp8_in_registers,
+    fp8_staging_overlap=kv_itemsize == 1 and not transposed,
+    deferred_sum=transposed and kv_itemsize == 2 and (head_dim == 64 or num_rows > 8),
   )
 
 
@@ -526,7 +528,6 @@ def paged_decode_attention_mosaic_gpu(
   staged = fp8 and not fp8_in_registers  # the float16 staging block
   # Separate K and V staging blocks, each converted while a wgmma reads the other.
   overlapped = staged and config.fp8_staging_overlap
-  pingpong = config.pingpong and warpgroups > 1
   # Softmax denominators per score element, summed over the positions after the last step.
   deferred_sum = config.deferred_sum and transposed
 
@@ -559,7 +560,7 @@ def paged_decode_attention_mosaic_gpu(
       k_barriers,  # [num_stages], one arrival per page copy
       v_barriers,
       *extra_scratch,  # P tile (p_smem, where P goes through shared memory); fp8: the staging
-      # block; two warpgroups: consumed (not with pingpong), v_zeroed, schedule (pingpong)
+      # block(s); two warpgroups: consumed, v_zeroed
     ) = refs
     extra_scratch = iter(extra_scratch)
     # [(warpgroups,) rows, block_kv], the probabilities of the current block
@@ -581,24 +582,15 @@ def paged_decode_attention_mosaic_gpu(
     else:
       qk_scale = base_qk_scale
     if warpgroups > 1:
-      if pingpong:
-        v_zeroed_barrier, schedule_barrier = extra_scratch
-      else:
-        consumed_barriers, v_zeroed_barrier = extra_scratch
+      consumed_barriers, v_zeroed_barrier = extra_scratch
       wg = lax.axis_index("wg")
       row_base = row_base + wg * tile_rows
       qo_smem, lse_smem = qo_smem.at[wg], lse_smem.at[wg]
       p_smem = None if p_smem is None else p_smem.at[wg]
       q_barrier = q_barrier.at[wg]
 
-    def take_turn():
-      """Ping-pong: arrive at the schedule barrier, then wait for the other warpgroup's turn."""
-      plgpu.barrier_arrive(schedule_barrier)
-      plgpu.barrier_wait(schedule_barrier)
-
     def when_issuer(condition):
-      """``pl.when`` for the ring's TMA copies that warpgroup 0 alone issues: all of them, or
-      with ping-pong the first ``num_stages`` (warpgroup 1 refills)."""
+      """``pl.when`` for the ring's TMA copies, which warpgroup 0 alone issues."""
       return pl.when(condition & (wg == 0)) if warpgroups > 1 else pl.when(condition)
 
     # The chunk plan, from the request's length on the device. Lengths past the table's
@@ -724,8 +716,6 @@ def paged_decode_attention_mosaic_gpu(
           plgpu.wgmma(acc_ref, k_block, qo_smem.transpose((1, 0)))
         else:  # S = Q K^T
           plgpu.wgmma(acc_ref, q_tile, k_block.transpose((1, 0)))
-        if pingpong:  # the other warpgroup's P V (or first Q K^T) goes next
-          take_turn()
         if overlapped:  # V while Q K^T runs (the previous P V, its reader, is complete)
           plgpu.barrier_wait(v_barriers.at[slot])
           to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
@@ -751,8 +741,6 @@ def paged_decode_attention_mosaic_gpu(
       else:
         l_i = l_i * alpha + p.sum(axis=pos_axis)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
-      if pingpong:  # softmax done: the other warpgroup may issue its next Q K^T
-        plgpu.barrier_arrive(schedule_barrier)
       if not overlapped:  # (overlapped: V was waited for and staged during Q K^T)
         plgpu.barrier_wait(v_barriers.at[slot])
       if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
@@ -801,9 +789,6 @@ def paged_decode_attention_mosaic_gpu(
       if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
 
-      if pingpong:  # wait for the tensor cores' turn
-        plgpu.barrier_wait(schedule_barrier)
-
       def compute_pv(pv_ref):
         if transposed:  # O^T = V^T P^T
           v_operand = v_t if fp8_in_registers else v_block.transpose((1, 0))
@@ -827,8 +812,6 @@ def paged_decode_attention_mosaic_gpu(
       elif warpgroups == 1:
         # Both wgmmas on this slot are complete: refill it.
         pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
-      elif pingpong:  # warpgroup 0's P V on the slot completed before this one's began
-        pl.when((refill < num_steps) & (wg == 1))(functools.partial(fetch, start + refill, slot))
       else:
 
         @pl.when((refill < num_steps) & (wg != 0))
@@ -867,15 +850,11 @@ def paged_decode_attention_mosaic_gpu(
     # Row tiles take Q as the A operand of S = Q K^T from registers, loaded once per work item
     # (an item without work loads stale values it never uses).
     q_tile = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA) if operands_in_registers else qo_smem
-    if pingpong:  # warpgroup 0 goes first
-      pl.when(wg == 1)(take_turn)
     if overlapped:  # the first K; every later one is staged during the step before
       pl.when(num_steps > 0)(functools.partial(stage_k, 0))
     acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
     if deferred_sum:
       l_i = l_i.sum(axis=pos_axis)
-    if pingpong:  # warpgroup 1's last arrival pairs with this one
-      pl.when(wg == 0)(take_turn)
 
     # Rows that saw nothing have l = 0 and acc = 0. NaN in a row's visible K/V makes l NaN:
     # it must reach the output as on the XLA path, not pass for "saw nothing".
@@ -915,9 +894,7 @@ def paged_decode_attention_mosaic_gpu(
     )
   for _ in range(2 if overlapped else int(staged)):  # the float16 staging block(s)
     scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
-  if warpgroups > 1 and pingpong:  # v_zeroed, schedule
-    scratch += [plgpu.Barrier(), plgpu.Barrier(num_arrivals=2)]
-  elif warpgroups > 1:  # consumed, v_zeroed
+  if warpgroups > 1:  # consumed, v_zeroed
     scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]
   num_items = batch * num_chunks
   out_type = (
