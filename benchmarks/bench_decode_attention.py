@@ -68,10 +68,10 @@ registers (``TuningConfig.fp8_in_registers``; ``results/decode_attention_fp8_in_
 block against K and V staged while the wgmmas run (``TuningConfig.fp8_staging_overlap``;
 ``results/decode_attention_fp8_staging_overlap.{json,md}``).
 
-``--deferred-sum-check`` instead times q_len 1 on transposed tiles (G 8 and 12, D 128 and 64,
-B1 to B64, bf16 and fp8 pages) with the softmax denominators summed across the warps every step
-against once per work item (``TuningConfig.deferred_sum``;
-``results/decode_attention_deferred_sum{,_fp8}.{json,md}``).
+``--deferred-sum-check`` instead times the softmax denominators summed every step against once
+per work item (``TuningConfig.deferred_sum``): q_len 1 on transposed tiles (G 8 and 12, D 128
+and 64, B1 to B64, bf16 and fp8 pages), then q_len 3-7 on row tiles and on the 128-row tile
+(``results/decode_attention_deferred_sum{,_fp8,_rows,_two_warpgroups}.{json,md}``).
 
 ``--fp8-register-sweep`` instead times the parts of that choice ``default_config`` rests on:
 ring depths with registers at D 128 and 64, registers against staging at 12 and 16 rows, at one
@@ -798,9 +798,10 @@ def fp8_overlap_check(rng, out_dir, smoke=False):
 
 
 def deferred_sum_check(rng, out_dir, smoke=False):
-  """q_len 1 on transposed tiles (the default up to 16 rows): the softmax denominators summed
-  across the warps every step against once per work item (``TuningConfig.deferred_sum``); on
-  16-bit pages, then on fp8 pages in registers as ``default_config`` runs them at B64."""
+  """The softmax denominators summed every step against once per work item
+  (``TuningConfig.deferred_sum``): q_len 1 on transposed tiles (the default up to 16 rows) on
+  16-bit pages, then on fp8 pages in registers as ``default_config`` runs them at B64; then
+  q_len 3-7 on row tiles (16-bit and fp8 pages) and on the 128-row tile of two warpgroups."""
   b64, b8 = [32768] * 64, [32768] * 8
   parts = [  # (stem, shapes (name, seq_lens, q_lens, G, D, fp8), base)
     (
@@ -820,11 +821,25 @@ def deferred_sum_check(rng, out_dir, smoke=False):
       [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
       {"transposed_scores": True, "fp8_in_registers": True, "num_stages": 4},
     ),
+    (
+      "decode_attention_deferred_sum_rows",
+      [
+        ("B64 L32k", b64, (3, 7), GROUP, HEAD_DIM, False),
+        ("B8 L32k", b8, (7,), GROUP, HEAD_DIM, False),
+        ("B64 L32k", b64, (7,), GROUP, HEAD_DIM, True),
+      ],
+      None,
+    ),
+    (
+      "decode_attention_deferred_sum_two_warpgroups",
+      [("B64 L32k", b64, (6,), GLM_GROUP, HEAD_DIM, False)],
+      {"two_warpgroup_tiles": True},
+    ),
   ]
   for stem, shapes, base in parts:
     if smoke:
       shapes = [("B2 L200", [200, 77], (1,), GROUP, HEAD_DIM, shapes[0][5])]
-    title = "q_len 1, transposed tiles: denominators summed once per work item (variant)"
+    title = "Softmax denominators summed once per work item (variant) against every step"
     config_check(
       rng,
       out_dir,

@@ -167,6 +167,23 @@ FP8_OVERLAP_CASES = [
 ]
 
 
+# Row tiles with the softmax denominators summed once per work item (TuningConfig.deferred_sum):
+# chunks and ring refills, rows that see nothing and padding slots, two warpgroups, fp8 pages
+# through the staging block, 128-position blocks.
+DEFERRED_ROW_SUM_CASES = [
+  KernelCase(seq_lens, q_len, hkv, g, d, page, dtype, dataclasses.replace(cfg, deferred_sum=True))
+  for seq_lens, q_len, hkv, g, d, page, dtype, cfg in [
+    ((270, 3, 0, 1), 3, 1, 2, 64, 16, BF16, TuningConfig(num_stages=2, num_chunks=2)),
+    ((200, 4, 0, 65), 6, 1, 12, 64, 16, BF16, TuningConfig(two_warpgroup_tiles=True)),
+    ((300, 6), 4, 1, 8, 128, 64, F16, TuningConfig(block_kv=128, num_stages=2)),
+  ]
+] + [
+  KernelCase(
+    (129, 2, 7), 7, 1, 8, 128, 16, BF16, TuningConfig(num_stages=1, deferred_sum=True), fp8=True
+  )
+]
+
+
 # Transposed scores (TuningConfig.transposed_scores): S^T = K Q^T and O^T = V^T P^T with the
 # packed rows as the wgmma N dimension, rounded up to 8. One row (N 8), rows that are not a
 # multiple of 8 (G 3, q_len 5: N 16), 84 rows in one tile (G 12, q_len 7: N 88), 128 rows (the
@@ -270,6 +287,7 @@ MERGE_KERNEL_CASES = [
     + FP8_CASES
     + FP8_OVERLAP_CASES
     + MERGE_KERNEL_CASES
+    + DEFERRED_ROW_SUM_CASES
     + TRANSPOSED_CASES
   ),
 )
@@ -939,6 +957,16 @@ LOWERING_CASES = [
   ),
   _g8_d128(
     "fp8 G8 q3 staging overlapped", 3, FP8, TuningConfig(fp8_staging_overlap=True, num_stages=2)
+  ),
+  _g8_d128("bf16 G8 q7 row tile, deferred sums", 7, BF16, TuningConfig(deferred_sum=True)),
+  (
+    "bf16 G12 q7 two warpgroups, deferred sums",
+    (2, 7, 24, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    BF16,
+    TuningConfig(two_warpgroup_tiles=True, deferred_sum=True),
   ),
   _g8_d128(
     "bf16 G8 q1 transposed, deferred sums",

@@ -197,12 +197,14 @@ class TuningConfig:
       while ``Q K^T`` runs and the next K while ``P V`` runs (module docstring, "fp8 pages"),
       at 16 KiB more shared memory per item (D 128). ``default_config`` turns it on for fp8 row
       tiles.
-    deferred_sum: transposed tiles only: the softmax denominators accumulate per score element
-      (``block_kv * N / 128`` more float32 registers per thread) and are summed across the KV
-      positions once per work item, which on a transposed tile is a reduction across the
-      warpgroup's warps (through shared memory), instead of once per step; as FlashAttention-2
-      keeps per-thread partial row sums. ``default_config`` turns it on for 16-bit pages at D 64
-      or beyond 8 rows.
+    deferred_sum: the softmax denominators accumulate per score element (one more float32
+      register per score element a thread holds: ``block_kv * N / 128`` on a transposed tile,
+      ``64 * block_kv / 128`` on a row tile) and are summed across the KV positions once per
+      work item instead of once per step: on a transposed tile a reduction across the
+      warpgroup's warps (through shared memory), on a row tile across the four lanes that share
+      a row (shuffles); as FlashAttention-2 keeps per-thread partial row sums.
+      ``default_config`` turns it on for transposed tiles on 16-bit pages at D 64 or beyond 8
+      rows.
     transposed_scores: when ``G * q_len <= 128``, compute ``S^T = K Q^T`` and
       ``O^T = V^T P^T`` with the packed rows as the wgmma N dimension, rounded
       up to 8 instead of 64 (module docstring, "Transposed scores"): one tile
@@ -529,7 +531,7 @@ def paged_decode_attention_mosaic_gpu(
   # Separate K and V staging blocks, each converted while a wgmma reads the other.
   overlapped = staged and config.fp8_staging_overlap
   # Softmax denominators per score element, summed over the positions after the last step.
-  deferred_sum = config.deferred_sum and transposed
+  deferred_sum = config.deferred_sum
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -736,7 +738,7 @@ def paged_decode_attention_mosaic_gpu(
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_shift)
       p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
-      if deferred_sum:  # [block_kv, N]: no reduction across warps in the step
+      if deferred_sum:  # no reduction across warps (transposed) or lanes (row tiles) in the step
         l_i = l_i * lax.broadcast_in_dim(alpha, qk.shape, [row_axis]) + p
       else:
         l_i = l_i * alpha + p.sum(axis=pos_axis)
