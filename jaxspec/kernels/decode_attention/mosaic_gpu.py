@@ -221,7 +221,9 @@ class TuningConfig:
     num_sms: SMs the grid is sized for; ``None`` asks the device (132 on an H100/H200).
     merge_kernel: when a call splits the KV into chunks, merge them and write the unpacked
       ``[B, q_len, Hq, D]`` rows in one small Mosaic GPU kernel (``merge_chunks_mosaic_gpu``)
-      instead of XLA's merge fusions and row transpose. Off by default until measured.
+      instead of XLA's merge fusions and row transpose. Off by default: slower where it
+      was measured (H200, B1 L8k: 24.1 against 20.9 us at q_len 7, 26.1 against 21.4 at q_len 1;
+      ``benchmarks/results/decode_attention_tuning.md``).
     fp8_8bit_layout: fp8 pages: load each fp8 block into registers in the 8-bit wgmma layout
       (4 consecutive bytes per thread and vector: half the shared-memory loads, and 8-byte
       stores of the converted values) instead of the 16-bit one (2 bytes). ``default_config``
