@@ -1045,8 +1045,8 @@ def main():
   parser.add_argument(
     "--deferred-sum-check",
     action="store_true",
-    help="only q_len 1 transposed tiles: denominators summed every step or once "
-    "(decode_attention_deferred_sum*.*)",
+    help="only: denominators summed every step or once, transposed tiles at q_len 1, then row "
+    "and 128-row tiles (decode_attention_deferred_sum*.*)",
   )
   parser.add_argument(
     "--fp8-register-sweep",
