@@ -40,6 +40,7 @@ EXPECTED_OUTPUT = {
     "first grouped-MoE GEMM rows: pruned 8, unpruned 32",
     "first draft step: moe_policy_tokens = 16 -> grouped",
     "B = 64: first step",
+    "Mosaic GPU MoE (",
   ],
   "04_speculative_decoding_default_model": [
     "def fibonacci(n):",
