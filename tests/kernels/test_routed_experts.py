@@ -134,26 +134,6 @@ CASES = {
     _skewed_ids,
     dataclasses.replace(SMALL_SPLIT_M, memory_parts=2),
   ),
-  # The consumer warpgroups gather their rows of x in the gate/up kernel (no xs); with 2 memory
-  # parts only the down kernel and the combine run in column ranges.
-  "gather_in_kernel": (
-    75,
-    2,
-    8,
-    128,
-    128,
-    _skewed_ids,
-    dataclasses.replace(SMALL_SPLIT_M, gather_in_kernel=True),
-  ),
-  "gather_in_kernel_memory_parts_2": (
-    75,
-    2,
-    8,
-    256,
-    128,
-    _skewed_ids,
-    dataclasses.replace(SMALL_SPLIT_M, gather_in_kernel=True, memory_parts=2),
-  ),
 }
 
 
@@ -186,21 +166,6 @@ def test_memory_parts_give_the_one_pass_result_bit_for_bit(name):
       *args, config=dataclasses.replace(config, memory_parts=parts), interpret=True
     )
     for parts in (config.memory_parts, 1)
-  ]
-  np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
-  assert not races_found()
-
-
-@pytest.mark.parametrize("name", ["gather_in_kernel", "gather_in_kernel_memory_parts_2"])
-def test_gather_in_kernel_gives_the_gathered_buffer_result_bit_for_bit(name):
-  # The gate/up kernel multiplies the same rows (x's, gathered by the consumers or by XLA) in the
-  # same order either way.
-  args, config = case_inputs(name)
-  outs = [
-    mosaic_gpu.routed_experts_mosaic_gpu(
-      *args, config=dataclasses.replace(config, gather_in_kernel=gather), interpret=True
-    )
-    for gather in (True, False)
   ]
   np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
   assert not races_found()
@@ -301,8 +266,6 @@ def test_tuning_config_is_validated():
     ({"warpgroups": 2, "block_n_gate_up": 128, "epilogue_n": 128}, "dividing each warpgroup's 64"),
     ({"warpgroups": 2, "block_n_down": 256, "epilogue_n": 96}, "epilogue_n must be a multiple"),
     ({"memory_parts": 0}, "memory_parts must be a positive int"),
-    ({"gather_in_kernel": True}, "gather_in_kernel needs warpgroups=2"),
-    ({"warpgroups": 2, "block_n_down": 128, "gather_in_kernel": True}, "gather_in_kernel needs"),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -455,8 +418,6 @@ TWO_WARPGROUPS_M = TuningConfig(
     ("glm45_air", 64, TWO_WARPGROUPS_N),
     ("glm45_air", 2048, TWO_WARPGROUPS_M),
     ("glm45_air", 8192, None),  # in 4 memory parts
-    ("glm45_air", 8192, dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, gather_in_kernel=True)),
-    ("glm45", 8192, dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, gather_in_kernel=True)),
   ],
 )
 def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
@@ -483,10 +444,8 @@ def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
   )
   text = lowered.as_text()
   assert text.count("mosaic_gpu") >= 2  # the gate/up and the down kernels
-  # The gate/up parts after the first store into the first's array, in place; a gate/up kernel
-  # that gathers its rows runs once.
-  parts = 1 if config.gather_in_kernel else config.memory_parts
-  assert text.count("output_operand_alias<") == parts - 1
+  # The gate/up parts after the first store into the first's array, in place.
+  assert text.count("output_operand_alias<") == config.memory_parts - 1
 
 
 # On the H200 --------------------------------------------------------------------------------
@@ -601,20 +560,6 @@ def test_memory_parts_on_gpu_give_the_one_pass_result_bit_for_bit():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", ["glm45_air", "glm45"])
-def test_gather_in_kernel_on_gpu_gives_the_gathered_buffer_result_bit_for_bit(shape):
-  args = glm_inputs(shape, 8192)
-  config = mosaic_gpu.default_config(8192, 8, *GLM_SHAPES[shape])
-  outs = [
-    routed_experts(
-      *args, impl="pallas", config=dataclasses.replace(config, gather_in_kernel=gather)
-    )
-    for gather in (True, False)
-  ]
-  np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(outs[1], np.float32))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize(
   "config",
   [
@@ -625,7 +570,6 @@ def test_gather_in_kernel_on_gpu_gives_the_gathered_buffer_result_bit_for_bit(sh
     TWO_WARPGROUPS_M,
     dataclasses.replace(TWO_WARPGROUPS_M, num_stages=3),
     mosaic_gpu.PREFILL_CONFIG,  # at 300 tokens default_config takes decode tiles
-    dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, gather_in_kernel=True),
     # Split by columns, each warpgroup's 128 down columns staged in two pieces.
     dataclasses.replace(
       TWO_WARPGROUPS_M, warpgroup_split="n", block_n_down=256, num_stages=3, epilogue_n=64

@@ -66,11 +66,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
-from jax.experimental.mosaic import gpu as mgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, memref, vector
 
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
 from jaxspec.kernels.routed_experts.reference import combine_routes, sort_routes
@@ -123,11 +119,6 @@ class TuningConfig:
       gate/up kernel runs over this many parts of the tile table, each reading its own slice of
       ``xs``, into one ``act``; the down kernel and the combine run over this many column ranges
       of H. 1 runs each kernel once over everything.
-    gather_in_kernel: the gate/up kernel's producer warpgroup loads the tiles' rows of ``x`` by
-      token (``_gather_rows``) into the ring instead of copying them from a gathered ``xs``, so
-      no ``xs`` is built and the gate/up kernel runs once over the whole table whatever
-      ``memory_parts`` (which then splits only the down kernel and the combine). Needs
-      ``warpgroups=2`` and ``warpgroup_split="m"``.
   """
 
   block_m: int = 64
@@ -140,7 +131,6 @@ class TuningConfig:
   epilogue_n: int | None = None
   num_sms: int | None = None
   memory_parts: int = 1
-  gather_in_kernel: bool = False
 
   def __post_init__(self):
     fields = (
@@ -175,11 +165,6 @@ class TuningConfig:
             f"TuningConfig.warpgroup_split='n' needs {name} to be a multiple of 128 (64 columns "
             f"per warpgroup at least), got {getattr(self, name)}"
           )
-    if self.gather_in_kernel and (self.warpgroups != 2 or self.warpgroup_split != "m"):
-      raise ValueError(
-        "TuningConfig.gather_in_kernel needs warpgroups=2 and warpgroup_split='m' (a producer "
-        "warpgroup gathers the rows of two consumer warpgroups)"
-      )
     if self.epilogue_n is not None:
       if self.warpgroups != 2:
         raise ValueError(
@@ -318,15 +303,13 @@ def decode_config(
   )
 
 
-def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize, gathered: bool) -> int:
+def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize) -> int:
   """The ring of ``config.num_stages`` (lhs, rhs...) blocks and the output staging tile(s), all
-  of ``itemsize`` bytes (both kernels store the weights' dtype); a ``gathered`` lhs adds the
-  tile's int32 tokens."""
+  of ``itemsize`` bytes (both kernels store the weights' dtype)."""
   block_m, block_k = config.block_m, config.block_k
   ring = config.num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
-  tokens = block_m * 4 if gathered else 0
   rows, columns = config.epilogue_shape(block_n)
-  return ring + tokens + config.warpgroups * rows * columns * itemsize
+  return ring + config.warpgroups * rows * columns * itemsize
 
 
 def unsupported_reason(
@@ -348,9 +331,9 @@ def unsupported_reason(
       f"H={hidden} must be a multiple of memory_parts * block_n_down = {config.memory_parts} * "
       f"{config.block_n_down} (the down kernel's column ranges)"
     )
-  for kernel, block_n, num_rhs, gathered in (
-    ("gate_up", config.block_n_gate_up, 2, config.gather_in_kernel),
-    ("down", config.block_n_down, 1, False),
+  for kernel, block_n, num_rhs in (
+    ("gate_up", config.block_n_gate_up, 2),
+    ("down", config.block_n_down, 1),
   ):
     rows, columns = config.accumulator_shape(block_n)
     if num_rhs * rows * columns > MAX_ACC_ELEMENTS:
@@ -358,7 +341,7 @@ def unsupported_reason(
         f"the {kernel} kernel's accumulators ({num_rhs} x {rows} x {columns} per warpgroup) "
         f"exceed {MAX_ACC_ELEMENTS} float32 elements (the register budget)"
       )
-    smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize, gathered)
+    smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize)
     if smem > SMEM_BYTES:
       return f"the {kernel} kernel needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
   return None
@@ -491,49 +474,6 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
     size //= 2
 
 
-def _gather_rows(x_ref, token_ref, *, padding: float, swizzle: int, interpret: bool) -> jax.Array:
-  """``x_ref[token_ref[r]]`` for each of ``token_ref``'s rows, ``padding`` where the token is -1:
-  ``[rows, columns]`` in the layout of a shared-memory copy (16 contiguous bytes per thread,
-  whole 128-byte rows per warp instruction), ready to store into a ``swizzle``-swizzled block.
-
-  Pallas Mosaic GPU has no gather load (see the index conversion's module docstring), so on the
-  GPU the loads are emitted with ``plgpu.inline_mgpu``: per register of that layout, one scalar
-  load of its row's token (``token_ref``, staged in shared memory) and one 16-byte load of ``x``.
-  GPU interpret mode cannot run ``inline_mgpu`` code that returns a value; there the same rows
-  come from the interpreter's ``jnp.take``.
-  """
-  rows, columns = token_ref.shape[0], x_ref.shape[1]
-  if interpret:
-    tokens = token_ref[...]  # [rows]
-    gathered = jnp.take(x_ref[...], jnp.maximum(tokens, 0), axis=0)  # [rows, columns]
-    return jnp.where((tokens >= 0)[:, None], gathered, jnp.asarray(padding, x_ref.dtype))
-  layout = plgpu.Layout.SMEM_GMEM_COPY((rows, columns), x_ref.dtype, swizzle)
-
-  @plgpu.inline_mgpu(
-    arg_types=(plgpu.RefType(), plgpu.RefType()),
-    return_type=plgpu.ShapeDtypeStruct((rows, columns), x_ref.dtype, layout=layout),
-  )
-  def gather(_, x, tokens):
-    mgpu_layout = layout.to_mgpu()
-    index_type, i32 = ir.IndexType.get(), ir.IntegerType.get_signless(32)
-    element_type = ir.MemRefType(x.type).element_type
-    vector_type = ir.VectorType.get((mgpu_layout.vector_length,), element_type)
-    fill = vector.broadcast(vector_type, arith.constant(element_type, padding))
-    zero = arith.constant(i32, 0)
-    registers = np.empty(mgpu_layout.registers_shape((rows, columns)), dtype=object)
-    for position, (row, column) in zip(
-      np.ndindex(registers.shape), mgpu_layout.thread_idxs((rows, columns)), strict=True
-    ):
-      token = memref.load(tokens, [row])
-      safe = arith.index_cast(index_type, arith.maxsi(token, zero))
-      loaded = vector.load(vector_type, x, [safe, column])
-      present = arith.cmpi(arith.CmpIPredicate.sge, token, zero)
-      registers[position] = arith.select(present, loaded, fill)
-    return mgpu.FragmentedArray(_registers=registers, _layout=mgpu_layout, _is_signed=None)
-
-  return gather(x_ref, token_ref)
-
-
 def _grouped_matmul(
   lhs: jax.Array,  # [L, K], sorted rows from buffer row lhs_row (L >= any tile's end - lhs_row)
   rhs: tuple[jax.Array, ...],  # each [E, K, N]
@@ -547,7 +487,6 @@ def _grouped_matmul(
   epilogue: Callable[..., jax.Array],
   block_n: int,
   columns: tuple[int, int] | None = None,  # (first, count) of rhs's N columns; None: all
-  gather: tuple[jax.Array, float] | None = None,  # (int32 [out_rows] token of each row, padding)
   config: TuningConfig,
   name: str,
   interpret: bool,
@@ -562,11 +501,6 @@ def _grouped_matmul(
   consumer warpgroups split the block (``config.warpgroup_split``) in a
   ``plgpu.emit_pipeline_warp_specialized`` per item (jax's ``hopper_matmul_mgpu``): the producer
   moves on to the next item's first blocks while the consumers run the epilogue.
-
-  With ``gather`` (``config.gather_in_kernel``), ``lhs`` is ``x [T, K]`` and buffer row ``r`` is
-  ``x[token[r]]`` (``padding`` for -1): the pipeline is written out by hand (``gathered``), its
-  producer warpgroup loading the rows with ``_gather_rows``, since
-  ``emit_pipeline_warp_specialized``'s producer only issues TMA copies.
   """
   block_m, block_k = config.block_m, config.block_k
   k_steps = lhs.shape[1] // block_k
@@ -582,9 +516,6 @@ def _grouped_matmul(
   # it overwrite a slot that the last step's wgmmas may still read.
   delay_release = 1 if config.warpgroups == 1 else 0
 
-  if gather is not None and (config.warpgroups, config.warpgroup_split) != (2, "m"):
-    raise ValueError("a gathered lhs needs two consumer warpgroups splitting the rows")
-
   def specs(n_block):
     lhs_spec = plgpu.BlockSpec(
       (block_m, block_k), lambda k: (0, k), transforms=transforms, delay_release=delay_release
@@ -595,7 +526,7 @@ def _grouped_matmul(
       transforms=transforms,
       delay_release=delay_release,
     )
-    return ([] if gather is not None else [lhs_spec]) + [rhs_spec] * len(rhs)
+    return [lhs_spec] + [rhs_spec] * len(rhs)
 
   def work_item(table_ref, lhs_row_ref, item):
     """(N block within ``columns``, expert, first buffer row, its row in ``lhs``, rows to
@@ -647,23 +578,6 @@ def _grouped_matmul(
   wg_rows, wg_cols = config.accumulator_shape(block_n)  # with two consumer warpgroups
   epi_cols = config.epilogue_shape(block_n)[1]
 
-  def store_warpgroup_tile(acc_refs, wg, n_block, row_start, rows, out_smem, out_ref):
-    """The epilogue of one consumer warpgroup's part of a tile, stored through ``out_smem``."""
-    result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
-    if split_m:  # this warpgroup's rows of the tile
-      own_rows = jnp.clip(rows - wg * wg_rows, 0, wg_rows)
-      first_row, first_column = row_start + wg * wg_rows, n_block * block_n
-    else:  # this warpgroup's columns
-      own_rows, first_row = rows, row_start
-      first_column = n_block * block_n + wg * wg_cols
-    for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
-      # The previous piece's (or item's) copies must have read the staging tile.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      out_smem[wg] = result[:, piece * epi_cols : (piece + 1) * epi_cols]
-      plgpu.commit_smem()
-      columns = pl.ds(first_column + piece * epi_cols, epi_cols)
-      _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
-
   def warp_specialized(num_tiles_ref, table_ref, lhs_row_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
 
@@ -710,7 +624,20 @@ def _grouped_matmul(
           )
           def _accumulate(acc_refs):
             eval_pipeline(acc_refs)
-            store_warpgroup_tile(acc_refs, wg, n_block, row_start, rows, out_smem, out_ref)
+            result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
+            if split_m:  # this warpgroup's rows of the tile
+              own_rows = jnp.clip(rows - wg * wg_rows, 0, wg_rows)
+              first_row, first_column = row_start + wg * wg_rows, n_block * block_n
+            else:  # this warpgroup's columns
+              own_rows, first_row = rows, row_start
+              first_column = n_block * block_n + wg * wg_cols
+            for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
+              # The previous piece's (or item's) copies must have read the staging tile.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              out_smem[wg] = result[:, piece * epi_cols : (piece + 1) * epi_cols]
+              plgpu.commit_smem()
+              columns = pl.ds(first_column + piece * epi_cols, epi_cols)
+              _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
 
         def body(_, lhs_smem, *rhs_smems_and_accs):
           *rhs_smems, acc_refs = rhs_smems_and_accs
@@ -726,108 +653,10 @@ def _grouped_matmul(
 
     plgpu.wait_smem_to_gmem(0)
 
-  def gathered(num_tiles_ref, table_ref, lhs_row_ref, x_ref, token_ref, *refs):
-    """Two consumer warpgroups (64 rows each) and a producer warpgroup that fills the ring by
-    hand: per K step a TMA copy of each weight block and the tile's rows of ``x`` loaded by
-    token (``_gather_rows``) and stored into the slot. The producer loads step ``k + 1``'s rows
-    before it waits for step ``k``'s slot, so their latency overlaps the wait."""
-    rhs_refs, out_ref = refs[:-1], refs[-1]
-    stages = config.num_stages
-
-    @functools.partial(
-      pl.run_scoped,
-      x_ring=plgpu.SMEM((stages, block_m, block_k), lhs.dtype, transforms=transforms),
-      rhs_rings=[
-        plgpu.SMEM((stages, block_k, block_n), ref.dtype, transforms=transforms) for ref in rhs_refs
-      ],
-      token_smem=plgpu.SMEM((block_m,), jnp.int32),
-      out_smem=plgpu.SMEM((2, wg_rows, epi_cols), out_dtype),
-      rhs_full=plgpu.Barrier(num_arrivals=len(rhs_refs), num_barriers=stages),
-      x_full=plgpu.Barrier(num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      collective_axes="wg",
-    )
-    def _scope(x_ring, rhs_rings, token_smem, out_smem, rhs_full, x_full, consumed):
-      wg = lax.axis_index("wg")  # 0 and 1 compute, 2 produces
-
-      @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
-      def _item(loop_info):
-        n_block, expert, row_start, _, rows = work_item(table_ref, lhs_row_ref, loop_info.index[0])
-        first_step = loop_info.local_index * k_steps  # this SM's steps so far pick the slots
-        columns = pl.ds((first_n_block + n_block) * block_n, block_n)
-
-        def rows_of_step(k):  # [block_m, block_k]; past the last step, the last again
-          step = jnp.minimum(k, k_steps - 1)
-          return _gather_rows(
-            x_ref.at[:, pl.ds(pl.multiple_of(step * block_k, block_k), block_k)],
-            token_smem,
-            padding=gather[1],
-            swizzle=swizzle,
-            interpret=interpret,
-          )
-
-        @pl.when(wg == 2)
-        def _produce():
-          # The previous item's loads read the old tokens before this warpgroup's last barrier.
-          token_smem[...] = token_ref[pl.ds(row_start, block_m)]
-          plgpu.commit_smem()
-
-          def fill(k, step_rows):
-            slot = lax.rem(first_step + k, stages)
-            later_rows = rows_of_step(k + 1)
-
-            @pl.when(first_step + k >= stages)
-            def _wait_for_slot():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            for ref, ring in zip(rhs_refs, rhs_rings, strict=True):
-              plgpu.copy_gmem_to_smem(
-                ref.at[expert, pl.ds(k * block_k, block_k), columns],
-                ring.at[slot],
-                rhs_full.at[slot],
-              )
-            x_ring.at[slot][...] = step_rows
-            plgpu.commit_smem()  # visible to the wgmmas (async proxy), then signalled
-            plgpu.barrier_arrive(x_full.at[slot])
-            return later_rows
-
-          lax.fori_loop(0, k_steps, fill, rows_of_step(0))
-
-        @pl.when(wg < 2)
-        def _consume():
-          @functools.partial(
-            pl.run_scoped, acc_refs=[plgpu.ACC((wg_rows, wg_cols)) for _ in rhs_refs]
-          )
-          def _accumulate(acc_refs):
-            def step(k, _):
-              slot = lax.rem(first_step + k, stages)
-              plgpu.barrier_wait(rhs_full.at[slot])
-              plgpu.barrier_wait(x_full.at[slot])
-              lhs_smem = x_ring.at[slot, pl.ds(wg * wg_rows, wg_rows)]
-              mma_step(acc_refs, lhs_smem, [ring.at[slot] for ring in rhs_rings])
-              plgpu.barrier_arrive(consumed.at[slot])
-
-            lax.fori_loop(0, k_steps, step, None)
-            store_warpgroup_tile(acc_refs, wg, n_block, row_start, rows, out_smem, out_ref)
-
-      # The producer observes the consumption of the last slots it filled, so that every
-      # barrier phase has been waited for when the kernel ends.
-      sm, sms = lax.axis_index("sm"), lax.axis_size("sm")
-      local_items = lax.div(jnp.maximum(num_tiles_ref[0] * n_blocks - sm, 0) + sms - 1, sms)
-      total_steps = local_items * k_steps
-      for back in range(stages, 0, -1):
-        last = total_steps - back
-
-        @pl.when((wg == 2) & (last >= 0))
-        def _drain():
-          plgpu.barrier_wait(consumed.at[lax.rem(last, stages)])  # noqa: B023
-
-    plgpu.wait_smem_to_gmem(0)
-
   specialized = config.warpgroups == 2
   out_type = () if out is not None else jax.ShapeDtypeStruct((out_rows, num_columns), out_dtype)
   result = plgpu.kernel(
-    gathered if gather is not None else warp_specialized if specialized else single_warpgroup,
+    warp_specialized if specialized else single_warpgroup,
     out_type=out_type,
     grid=(num_sms(config.num_sms),),
     grid_names=("sm",),
@@ -836,15 +665,7 @@ def _grouped_matmul(
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
     kernel_name=name,
-  )(
-    num_tiles,
-    table,
-    lhs_row,
-    lhs,
-    *(() if gather is None else (gather[0],)),
-    *rhs,
-    *(() if out is None else (out,)),
-  )
+  )(num_tiles, table, lhs_row, lhs, *rhs, *(() if out is None else (out,)))
   return None if out is not None else result
 
 
@@ -864,28 +685,11 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
   The parts after the first store into the first's array, in place (a ``jax.Ref`` operand).
   """
   block_m, parts = config.block_m, config.memory_parts
-  x = x.astype(w_gate.dtype)  # once for all parts
-  gate_up = functools.partial(
-    _grouped_matmul,
-    out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
-    out_dtype=w_gate.dtype,
-    epilogue=_swiglu,
-    block_n=config.block_n_gate_up,
-    config=config,
-    name="routed_experts_gate_up",
-    interpret=interpret,
-  )
-  if config.gather_in_kernel:  # no xs: one pass over the table, whatever memory_parts
-    route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((block_m,), -1, jnp.int32)])
-    token_of_row = jnp.where(route_of_row >= 0, lax.div(route_of_row, top_k), -1)
-    zero = jnp.zeros(1, jnp.int32)
-    return gate_up(
-      x, (w_gate, w_up), plan.num_tiles, plan.table, zero, gather=(token_of_row, padding)
-    )
   slots = plan.table.shape[1]
   per_part = -(-slots // parts)
   xs_rows = min(per_part * block_m, rows + block_m)
   route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((xs_rows,), -1, jnp.int32)])
+  x = x.astype(w_gate.dtype)  # once for all parts
   act = None
   for first in range(0, slots, per_part):
     if parts == 1:  # the whole table from row 0: no operation added to the one-pass program
@@ -898,13 +702,27 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
         act, lhs_row = lax.optimization_barrier((act, lhs_row))
       part_routes = lax.dynamic_slice(route_of_row, (lhs_row[0],), (xs_rows,))
     token_of_row = lax.div(jnp.maximum(part_routes, 0), top_k)
-    xs = jnp.where((part_routes >= 0)[:, None], x[token_of_row], padding)  # [xs_rows, H]
-    part = (xs, (w_gate, w_up), num_part_tiles, plan.table[:, first : first + per_part], lhs_row)
+    xs = jnp.where((part_routes >= 0)[:, None], x[token_of_row], padding)
+    gate_up = functools.partial(
+      _grouped_matmul,
+      xs,  # [xs_rows, H]
+      (w_gate, w_up),
+      num_part_tiles,
+      plan.table[:, first : first + per_part],
+      lhs_row,
+      out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
+      out_dtype=w_gate.dtype,
+      epilogue=_swiglu,
+      block_n=config.block_n_gate_up,
+      config=config,
+      name="routed_experts_gate_up",
+      interpret=interpret,
+    )
     if act is None:
-      act = gate_up(*part)
+      act = gate_up()
     else:
       act_ref = jax.new_ref(act)
-      gate_up(*part, out=act_ref)
+      gate_up(out=act_ref)
       act = act_ref[...]
   return act
 
