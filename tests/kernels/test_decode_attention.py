@@ -257,6 +257,55 @@ TRANSPOSED_CASES = [
 ]
 
 
+# Page ids read one step before they are used (TuningConfig.page_ids_ahead). Chunks of 4 to 10
+# blocks on rings of 1 and 2 stages, so that most steps refill a slot with ids read a step
+# earlier (and the last steps read ids past the chunk's end); rows that see nothing and padding
+# slots, two warpgroups, the transposed tile, fp8 pages staged and converted in registers,
+# 128-position blocks.
+PAGE_IDS_AHEAD_CASES = [
+  KernelCase(*shape, dataclasses.replace(cfg, page_ids_ahead=True), fp8)
+  for *shape, cfg, fp8 in [
+    ((300, 3, 0, 1), 3, 1, 2, 64, 16, BF16, TuningConfig(num_stages=1, num_chunks=1), False),
+    ((520, 2, 7), 7, 1, 8, 128, 16, BF16, TuningConfig(num_stages=2, num_chunks=2), False),
+    (
+      (330, 4, 0, 65),
+      6,
+      1,
+      12,
+      64,
+      16,
+      BF16,
+      TuningConfig(num_stages=1, num_chunks=1, two_warpgroup_tiles=True),
+      False,
+    ),
+    (
+      (300, 5, 0, 70),
+      1,
+      2,
+      8,
+      64,
+      32,
+      F16,
+      TuningConfig(num_stages=2, num_chunks=1, transposed_scores=True),
+      False,
+    ),
+    ((600, 6), 4, 1, 8, 128, 64, F16, TuningConfig(block_kv=128, num_stages=1), False),
+    ((330, 3, 64), 3, 1, 8, 128, 32, BF16, TuningConfig(num_stages=2, num_chunks=1), True),
+    (
+      (330, 4, 0, 65),
+      1,
+      1,
+      8,
+      128,
+      32,
+      BF16,
+      TuningConfig(num_stages=1, num_chunks=1, transposed_scores=True, fp8_in_registers=True),
+      True,
+    ),
+  ]
+]
+
+
 # The split-KV merge and row unpacking in one Mosaic GPU kernel (TuningConfig.merge_kernel):
 # spare grid items with unwritten tiles, tokens whose rows straddle two tiles (G 12, q_len 6),
 # fp8 pages.
@@ -289,6 +338,7 @@ MERGE_KERNEL_CASES = [
     + MERGE_KERNEL_CASES
     + DEFERRED_ROW_SUM_CASES
     + TRANSPOSED_CASES
+    + PAGE_IDS_AHEAD_CASES
   ),
 )
 def test_kernel_matches_float64(case, interpret):
@@ -445,6 +495,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("fp8_8bit_layout", None),
     ("fp8_staging_overlap", "no"),
     ("deferred_sum", 0),
+    ("page_ids_ahead", 1),
   ],
 )
 def test_tuning_config_is_validated(field, value):
@@ -570,6 +621,21 @@ def test_default_config_overlaps_fp8_staging_and_defers_sums_where_measured(
   assert config.fp8_staging_overlap == overlap
   assert config.deferred_sum == deferred
   assert not default_config(head_dim, 16, kv_dtype).deferred_sum  # rows unknown: row tiles
+
+
+@pytest.mark.parametrize(
+  "q_len, group, kv_dtype, ahead",
+  [(7, 12, BF16, True), (6, 12, F16, True), (7, 12, FP8, False), (7, 8, BF16, False)]
+  + [(1, 8, BF16, False), (1, 12, BF16, False), (1, 8, FP8, False)],
+)
+def test_default_config_reads_page_ids_ahead_on_128_row_tiles(q_len, group, kv_dtype, ahead):
+  """The measured policy: page ids read a step early only where one 128-row tile of two
+  warpgroups serves the rows (16-bit pages, more than 64 rows, many pairs)."""
+  q = jax.ShapeDtypeStruct((64, q_len, 8 * group, 128), BF16)  # 512 pairs
+  pages = jax.ShapeDtypeStruct((8, 64, 16, 128), kv_dtype)
+  config = api._default_config(q, pages)
+  assert config.page_ids_ahead == ahead == config.two_warpgroup_tiles
+  assert api._default_config(q, pages).page_ids_ahead == ahead
 
 
 # ---------------------------------------------------------------------------------------------
@@ -850,6 +916,34 @@ def test_out_of_contract_inputs_give_the_same_result_on_every_path(fp8, q_len, g
   np.testing.assert_allclose(
     np.asarray(outputs["xla"], np.float32), np.asarray(outputs["pallas"], np.float32), atol=2e-2
   )
+
+
+@pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
+@pytest.mark.parametrize(
+  "q_len, group, config",
+  [
+    (3, 2, TuningConfig(num_stages=1, num_chunks=1)),
+    (1, 8, TuningConfig(num_stages=2, num_chunks=1, transposed_scores=True)),
+    (6, 12, TuningConfig(num_stages=1, num_chunks=2, two_warpgroup_tiles=True)),
+  ],
+)
+def test_page_ids_read_ahead_keep_out_of_pool_pages_unseen(q_len, group, config, interpret):
+  """Page ids outside the pool in later blocks of long requests: the mask decision of each step
+  takes ids read a step earlier (TuningConfig.page_ids_ahead), and still leaves exactly those
+  pages' positions unseen."""
+  inputs = make_inputs(np.random.default_rng(10), [330, 200], q_len, 1, group, 64, 16, BF16)
+  tables = np.asarray(inputs.block_tables).copy()
+  num_pages = inputs.k_pages.shape[1]
+  tables[0, 9], tables[0, 14], tables[1, 6] = num_pages + 3, -5, 2**31 - 1  # blocks 2, 3; 1
+  inputs = _with(inputs, tables=tables)
+  call = functools.partial(
+    paged_decode_attention,
+    impl="pallas",
+    interpret=interpret,
+    config=dataclasses.replace(config, page_ids_ahead=True),
+  )
+  check(jax.jit(call)(*inputs.arrays, **inputs.scales), inputs)
+  assert not (interpret and races_found())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ def problems(draw, kernel: bool):
       two_warpgroup_tiles=two_warpgroups,
       balance_waves=balance_waves,
       num_sms=1 if balance_waves else None,  # 1 SM: tiny batches still get several chunks
+      page_ids_ahead=draw(st.booleans()),
     )
     batch, limit, num_kv_heads = draw(st.integers(1, 3)), 200, 1
   else:

@@ -228,6 +228,14 @@ class TuningConfig:
       (4 consecutive bytes per thread and vector: half the shared-memory loads, and 8-byte
       stores of the converted values) instead of the 16-bit one (2 bytes). ``default_config``
       turns it on for fp8 pages (H200, B64 L32k q7: 2% and 4% faster in two runs).
+    page_ids_ahead: each pipeline step reads the page ids of the next step's block and of the
+      block the next step refills, and carries them, instead of reading its own where they are
+      first used (the mask decision, the refill's copies): a warp issues in order and waits for
+      a global load where its value is first used. ``default_config`` turns it on with
+      ``two_warpgroup_tiles``, where it ran G 12 q_len 7 1.04-1.07x faster in four runs (H200,
+      B64 and B8 L32k, same process); elsewhere it was no faster: 16-bit row tiles 1.00x,
+      transposed tiles at q_len 1 0.93-0.97x at B8 L32k and 1.00-1.03x at B64, fp8 pages in
+      registers 0.85x (``benchmarks/results/decode_attention_page_ids_ahead/``).
   """
 
   block_kv: int = 64
@@ -243,6 +251,7 @@ class TuningConfig:
   fp8_in_registers: bool = False
   fp8_staging_overlap: bool = False
   deferred_sum: bool = False
+  page_ids_ahead: bool = False
 
   def __post_init__(self):
     validate_config_fields(self)
@@ -266,6 +275,7 @@ class TuningConfig:
       "fp8_in_registers",
       "fp8_staging_overlap",
       "deferred_sum",
+      "page_ids_ahead",
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -340,20 +350,22 @@ def default_config(
   transposed = num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS
   if transposed and kv_itemsize == 2 and head_dim == 64:
     num_stages = TRANSPOSED_STAGES_D64
+  # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once.
+  two_warpgroup_tiles = (
+    many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE and kv_itemsize == 2
+  )
   return TuningConfig(
     block_kv=block_kv,
     num_stages=num_stages,
     balance_waves=DEFAULT_BALANCE_WAVES,
     fp8_8bit_layout=kv_itemsize == 1,
     transposed_scores=transposed,
-    # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once.
-    two_warpgroup_tiles=(
-      many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE and kv_itemsize == 2
-    ),
+    two_warpgroup_tiles=two_warpgroup_tiles,
     operands_in_registers=many_pairs,
     fp8_in_registers=fp8_in_registers,
     fp8_staging_overlap=kv_itemsize == 1 and not transposed,
     deferred_sum=transposed and kv_itemsize == 2 and (head_dim == 64 or num_rows > 8),
+    page_ids_ahead=two_warpgroup_tiles,
   )
 
 
@@ -534,6 +546,8 @@ def paged_decode_attention_mosaic_gpu(
   overlapped = staged and config.fp8_staging_overlap
   # Softmax denominators per score element, summed over the positions after the last step.
   deferred_sum = config.deferred_sum
+  # Each step carries the page ids of the next step's block and refill, read a step early.
+  page_ids_ahead = config.page_ids_ahead
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -645,8 +659,9 @@ def paged_decode_attention_mosaic_gpu(
       plgpu.barrier_arrive(k_barriers.at[slot])
       plgpu.barrier_arrive(v_barriers.at[slot])
 
-    def fetch(block, slot):
-      for p, page in enumerate(page_ids(block)):
+    def fetch(block, slot, pages=None):
+      """Block ``block``'s pages into ``slot`` (``pages``: their ids, read earlier)."""
+      for p, page in enumerate(page_ids(block) if pages is None else pages):
         # Only pages inside the length with an id in the pool are read. The slot rows of the
         # others keep stale data: the mask and the V zeroing below discard them, and a plain
         # barrier arrival stands in for the copy's.
@@ -697,7 +712,7 @@ def paged_decode_attention_mosaic_gpu(
       to_staging(k_smem.at[slot], staging_k)
       plgpu.commit_smem()
 
-    def block_step(i, carry, *, masked, pages_in_pool):
+    def block_step(i, carry, *, masked, pages_in_pool, refill_pages):
       acc, m_i, l_i = carry
       block = start + i
       slot = lax.rem(i, num_stages)
@@ -791,7 +806,7 @@ def paged_decode_attention_mosaic_gpu(
         # the slot before its refill.
         plgpu.commit_smem()
       if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
-        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
+        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
 
       def compute_pv(pv_ref):
         if transposed:  # O^T = V^T P^T
@@ -815,7 +830,7 @@ def paged_decode_attention_mosaic_gpu(
         pass  # refilled above
       elif warpgroups == 1:
         # Both wgmmas on this slot are complete: refill it.
-        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
+        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
       else:
 
         @pl.when((refill < num_steps) & (wg != 0))
@@ -825,23 +840,35 @@ def paged_decode_attention_mosaic_gpu(
         @when_issuer(refill < num_steps)
         def _refill_slot():
           plgpu.barrier_wait(consumed_barriers.at[slot])  # warpgroup 1 is done with it too
-          fetch(start + refill, slot)
+          fetch(start + refill, slot, refill_pages)
 
       return acc, m_new, l_i
 
     def step(i, carry):
+      # With page_ids_ahead the page ids of this block and of the block this step refills were
+      # read one step earlier and arrive in the carry (TuningConfig.page_ids_ahead).
+      carry, ahead = carry
+      block = start + i
+      if page_ids_ahead:
+        pages, refill_pages = ahead
+        ahead = (page_ids(block + 1), page_ids(block + 1 + num_stages))
+      else:
+        pages, refill_pages = page_ids(block), None
       # Blocks below the first row's limit whose pages all lie in the pool (always, inside
       # the contract) skip the mask; the rest (the last blocks, out-of-pool pages) apply it.
-      block = start + i
-      pages_in_pool = [in_pool(page) for page in page_ids(block)]
+      pages_in_pool = [in_pool(page) for page in pages]
       needs_mask = (block >= unmasked_end) | jnp.logical_not(_all(pages_in_pool))
-      return lax.cond(
+      step_of = functools.partial(
+        block_step, pages_in_pool=pages_in_pool, refill_pages=refill_pages
+      )
+      carry = lax.cond(
         needs_mask,
-        functools.partial(block_step, masked=True, pages_in_pool=pages_in_pool),
-        functools.partial(block_step, masked=False, pages_in_pool=pages_in_pool),
+        functools.partial(step_of, masked=True),
+        functools.partial(step_of, masked=False),
         i,
         carry,
       )
+      return carry, ahead
 
     row_layout = plgpu.Layout.WGMMA.reduce(pos_axis)
     m_i = plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout)
@@ -856,7 +883,8 @@ def paged_decode_attention_mosaic_gpu(
     q_tile = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA) if operands_in_registers else qo_smem
     if overlapped:  # the first K; every later one is staged during the step before
       pl.when(num_steps > 0)(functools.partial(stage_k, 0))
-    acc, m_i, l_i = lax.fori_loop(0, num_steps, step, (acc, m_i, l_i))
+    ahead = (page_ids(start), page_ids(start + num_stages)) if page_ids_ahead else ()
+    (acc, m_i, l_i), _ = lax.fori_loop(0, num_steps, step, ((acc, m_i, l_i), ahead))
     if deferred_sum:
       l_i = l_i.sum(axis=pos_axis)
 
