@@ -80,6 +80,10 @@ request and at B8 (``results/decode_attention_fp8_register_sweep/``).
 ``--d64-stage-sweep`` instead times the ring depth of transposed tiles at D 64, q_len 1 (2, 3, 6
 and 8 stages against 4; ``results/decode_attention_d64_q1_stages/``).
 
+``--page-ids-ahead-check`` instead times page ids read where they are used against a step
+earlier (``TuningConfig.page_ids_ahead``) on each tile kind as ``default_config`` runs it
+(``results/decode_attention_page_ids_ahead/``).
+
 ``--breakdown`` instead lists, for a few shapes, every GPU kernel one call of ours
 launches (Q packing, the attention kernel, the chunk merge, the row unpacking) with
 its CUPTI time, next to the steady-state time per call: where the time of small shapes goes.
@@ -852,6 +856,55 @@ def deferred_sum_check(rng, out_dir, smoke=False):
     )
 
 
+def page_ids_ahead_check(rng, out_dir, smoke=False):
+  """Page ids read where they are used against one step earlier (``TuningConfig.page_ids_ahead``),
+  each tile kind as ``default_config`` runs it: the 128-row tile at G 12 q_len 7, fp8 pages
+  converted in registers (8 rows) and on row tiles, 16-bit row tiles, transposed tiles at q_len
+  1. Writes ``{part}.{json,md}`` under ``decode_attention_page_ids_ahead/``."""
+  out_dir = out_dir / "decode_attention_page_ids_ahead"
+  out_dir.mkdir(parents=True, exist_ok=True)
+  b64, b8 = [32768] * 64, [32768] * 8
+  off = {"page_ids_ahead": False}
+  parts = [  # (stem, shapes (name, seq_lens, q_lens, G, D, fp8), base)
+    (
+      "two_warpgroups",
+      [
+        ("B64 L32k", b64, (7,), GLM_GROUP, HEAD_DIM, False),
+        ("B8 L32k", b8, (7,), GLM_GROUP, HEAD_DIM, False),
+      ],
+      {**off, "two_warpgroup_tiles": True},
+    ),
+    (
+      "fp8_in_registers",
+      [("B64 L32k", b64, (1,), GROUP, HEAD_DIM, True)],
+      {**off, "transposed_scores": True, "fp8_in_registers": True, "num_stages": 4},
+    ),
+    ("rows", [("B64 L32k", b64, (3, 7), GROUP, HEAD_DIM, fp8) for fp8 in (False, True)], off),
+    (
+      "transposed",
+      [
+        ("B64 L32k", b64, (1,), GROUP, HEAD_DIM, False),
+        ("B8 L32k", b8, (1,), GROUP, HEAD_DIM, False),
+        ("B1 L8k", [8192], (1,), GROUP, HEAD_DIM, False),
+      ],
+      {**off, "transposed_scores": True},
+    ),
+  ]
+  for stem, shapes, base in parts:
+    if smoke:
+      shapes = [("B2 L200", [200, 77], shapes[0][2], shapes[0][3], HEAD_DIM, shapes[0][5])]
+    config_check(
+      rng,
+      out_dir,
+      stem,
+      "Page ids read one step ahead (variant) against where they are used",
+      lambda config: dataclasses.replace(config, page_ids_ahead=True),
+      shapes,
+      smoke,
+      base=base,
+    )
+
+
 def d64_stage_sweep(rng, out_dir, smoke=False):
   """The ring depth of transposed tiles at D 64 on 16-bit pages (q_len 1, with the denominators
   summed once, as ``default_config`` runs them): 2, 3, 6 and 8 stages against 4. Writes
@@ -1059,6 +1112,11 @@ def main():
     action="store_true",
     help="only: the ring depth of D 64 transposed tiles (decode_attention_d64_q1_stages/)",
   )
+  parser.add_argument(
+    "--page-ids-ahead-check",
+    action="store_true",
+    help="only: page ids read where used or a step ahead (decode_attention_page_ids_ahead/)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
@@ -1088,6 +1146,7 @@ def main():
     "d64_stage_sweep": d64_stage_sweep,
     "fp8_overlap_check": fp8_overlap_check,
     "deferred_sum_check": deferred_sum_check,
+    "page_ids_ahead_check": page_ids_ahead_check,
   }
   for flag, check in checks.items():
     if getattr(args, flag):
