@@ -233,9 +233,10 @@ class TuningConfig:
       first used (the mask decision, the refill's copies): a warp issues in order and waits for
       a global load where its value is first used. ``default_config`` turns it on with
       ``two_warpgroup_tiles``, where it ran G 12 q_len 7 1.04-1.07x faster in four runs (H200,
-      B64 and B8 L32k, same process); elsewhere it was no faster: 16-bit row tiles 1.00x,
-      transposed tiles at q_len 1 0.93-0.97x at B8 L32k and 1.00-1.03x at B64, fp8 pages in
-      registers 0.85x (``benchmarks/results/decode_attention_page_ids_ahead/``).
+      B64 and B8 L32k, same process), q_len 6 1.05-1.06x and q_len 7 at D 64 1.09-1.12x;
+      elsewhere it was no faster: 16-bit row tiles 1.00x, transposed tiles at q_len 1
+      0.93-0.97x at B8 L32k and 1.00-1.03x at B64, fp8 pages in registers 0.85x
+      (``benchmarks/results/decode_attention_page_ids_ahead/``).
   """
 
   block_kv: int = 64
