@@ -120,6 +120,7 @@ from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
   DEFAULT_BALANCE_WAVES,
   DEFAULT_FP8_IN_REGISTERS_MAX_ROWS,
   DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128,
+  DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS,
   DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
   DEFAULT_TRANSPOSED_MAX_ROWS,
   FP8_IN_REGISTERS_STAGES_D128,
@@ -1188,6 +1189,7 @@ def main():
     "default_config_fp8": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE, FP8)),
     "default_transposed_max_rows": DEFAULT_TRANSPOSED_MAX_ROWS,
     "default_register_operands_min_pairs": DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
+    "default_page_ids_ahead_transposed_min_pairs": DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS,
     "default_fp8_in_registers": {
       "max_rows_by_head_dim": {str(d): n for d, n in DEFAULT_FP8_IN_REGISTERS_MAX_ROWS.items()},
       "min_pairs_d128": DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128,

@@ -624,17 +624,34 @@ def test_default_config_overlaps_fp8_staging_and_defers_sums_where_measured(
 
 
 @pytest.mark.parametrize(
-  "q_len, group, kv_dtype, ahead",
-  [(7, 12, BF16, True), (6, 12, F16, True), (7, 12, FP8, False), (7, 8, BF16, False)]
-  + [(1, 8, BF16, False), (1, 12, BF16, False), (1, 8, FP8, False)],
+  "batch, q_len, group, head_dim, kv_dtype, ahead",
+  [
+    (64, 7, 12, 128, BF16, True),  # 128-row tile
+    (64, 6, 12, 128, F16, True),
+    (8, 7, 12, 128, BF16, True),
+    (64, 7, 12, 128, FP8, False),  # fp8 row tiles
+    (64, 7, 8, 128, BF16, False),  # 64-row tile
+    (64, 1, 8, 128, BF16, True),  # transposed, 512 pairs
+    (64, 1, 12, 128, BF16, True),
+    (128, 1, 8, 128, F16, True),
+    (32, 1, 8, 128, BF16, False),  # transposed, 256 pairs
+    (64, 1, 8, 64, BF16, False),  # transposed at D 64
+    (64, 1, 8, 128, FP8, False),  # fp8 in registers
+  ],
 )
-def test_default_config_reads_page_ids_ahead_on_128_row_tiles(q_len, group, kv_dtype, ahead):
-  """The measured policy: page ids read a step early only where one 128-row tile of two
-  warpgroups serves the rows (16-bit pages, more than 64 rows, many pairs)."""
-  q = jax.ShapeDtypeStruct((64, q_len, 8 * group, 128), BF16)  # 512 pairs
-  pages = jax.ShapeDtypeStruct((8, 64, 16, 128), kv_dtype)
+def test_default_config_reads_page_ids_ahead_where_measured_faster(
+  batch, q_len, group, head_dim, kv_dtype, ahead
+):
+  """The measured policy: page ids read a step early on the 128-row tile of two warpgroups and
+  on transposed tiles of 16-bit pages at D 128 from 512 (request, KV head) pairs."""
+  q = jax.ShapeDtypeStruct((batch, q_len, 8 * group, head_dim), BF16)
+  pages = jax.ShapeDtypeStruct((8, 64, 16, head_dim), kv_dtype)
   config = api._default_config(q, pages)
-  assert config.page_ids_ahead == ahead == config.two_warpgroup_tiles
+  assert config.page_ids_ahead == ahead
+  if q_len > 1:
+    assert config.page_ids_ahead == config.two_warpgroup_tiles
+  else:
+    assert config.transposed_scores
 
 
 # ---------------------------------------------------------------------------------------------

@@ -166,6 +166,12 @@ FP8_IN_REGISTERS_STAGES_D128 = 4
 # against 131); 6 stages 0.89-0.91x, 8 stages 0.52-0.56x
 # (benchmarks/results/decode_attention_d64_q1_stages/).
 TRANSPOSED_STAGES_D64 = 2
+# default_config's page_ids_ahead on transposed tiles (16-bit pages, D 128): from this many
+# (request, KV head) pairs. H200, q_len 1, same process, three interleaved timings each: B64 L32k
+# G 8 1.001-1.012x, G 12 1.010-1.016x, B64 L8k 1.003-1.020x, B64 ragged 0.999-1.015x, B128 L8k
+# 1.001-1.009x; at 256 pairs (B32 L32k) 0.986-1.000x and at D 64 0.98-1.02x, B8 L32k 0.93-0.97x
+# (benchmarks/results/decode_attention_page_ids_ahead/transposed_pairs.json).
+DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,10 +239,13 @@ class TuningConfig:
       first used (the mask decision, the refill's copies): a warp issues in order and waits for
       a global load where its value is first used. ``default_config`` turns it on with
       ``two_warpgroup_tiles``, where it ran G 12 q_len 7 1.04-1.07x faster in four runs (H200,
-      B64 and B8 L32k, same process), q_len 6 1.05-1.06x and q_len 7 at D 64 1.09-1.12x;
+      B64 and B8 L32k, same process), q_len 6 1.05-1.06x and q_len 7 at D 64 1.09-1.12x, and
+      on transposed tiles of 16-bit pages at D 128 from
+      ``DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS`` pairs (1.00-1.02x at B64 and B128);
       elsewhere it was no faster: 16-bit row tiles 1.00x, transposed tiles at q_len 1
-      0.93-0.97x at B8 L32k and 1.00-1.03x at B64, fp8 pages in registers 0.85x
-      (``benchmarks/results/decode_attention_page_ids_ahead/``).
+      0.93-0.97x at B8 L32k, fp8 pages in registers 0.85x (5 more registers per thread, 168 ->
+      173, leave two items per SM where three fit;
+      ``benchmarks/results/decode_attention_page_ids_ahead/``).
   """
 
   block_kv: int = 64
@@ -327,6 +336,10 @@ def default_config(
   (B1 L8k, 8 pairs, each work item a few blocks) both were slower: G 8 q_len 7 17.7 against
   16.4 us with registers, G 12 q_len 6 20.6 us with registers and 24.2 us with the 128-row tile
   against 17.8 us, hence the threshold on the pairs.
+
+  Page ids are read a step ahead (``page_ids_ahead``) on that tile and on transposed tiles of
+  16-bit pages at D 128 from ``DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS`` pairs, where it ran
+  1.04-1.12x and 1.00-1.02x faster.
   """
   block_kv = max(64, page_size)
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
@@ -366,7 +379,13 @@ def default_config(
     fp8_in_registers=fp8_in_registers,
     fp8_staging_overlap=kv_itemsize == 1 and not transposed,
     deferred_sum=transposed and kv_itemsize == 2 and (head_dim == 64 or num_rows > 8),
-    page_ids_ahead=two_warpgroup_tiles,
+    page_ids_ahead=two_warpgroup_tiles
+    or (
+      transposed
+      and kv_itemsize == 2
+      and head_dim == 128
+      and (num_pairs is None or num_pairs >= DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS)
+    ),
   )
 
 
