@@ -368,6 +368,13 @@ def default_config(
   two_warpgroup_tiles = (
     many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE and kv_itemsize == 2
   )
+  # Transposed 16-bit tiles at D 128 over many pairs, where page ids read ahead paid.
+  wide_transposed_16bit = (
+    transposed
+    and kv_itemsize == 2
+    and head_dim == 128
+    and (num_pairs is None or num_pairs >= DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS)
+  )
   return TuningConfig(
     block_kv=block_kv,
     num_stages=num_stages,
@@ -379,13 +386,7 @@ def default_config(
     fp8_in_registers=fp8_in_registers,
     fp8_staging_overlap=kv_itemsize == 1 and not transposed,
     deferred_sum=transposed and kv_itemsize == 2 and (head_dim == 64 or num_rows > 8),
-    page_ids_ahead=two_warpgroup_tiles
-    or (
-      transposed
-      and kv_itemsize == 2
-      and head_dim == 128
-      and (num_pairs is None or num_pairs >= DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS)
-    ),
+    page_ids_ahead=two_warpgroup_tiles or wide_transposed_16bit,
   )
 
 
