@@ -1,0 +1,298 @@
+"""Compile jaxspec's kernels for an H200 on a machine without a GPU: XLA kernels, ptxas registers.
+
+XLA compiles for the GPU it is described, not only the one it sees: jax's ahead-of-time path
+(``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)``) takes a
+``GpuTargetConfigProto`` of the device, and the CUDA plugin's compiler then runs its whole
+pipeline for it (fusion, scheduling, and the Mosaic GPU kernels through ptxas) with no CUDA
+device attached. Two facts come out of that without a GPU run:
+
+* which XLA kernels a call becomes and what each one fuses (``moe``): the counting-sort route
+  plan at 384 tokens showed the per-expert sums of the earlier blocks recomputed inside the
+  combine fusion for every output element (``benchmarks/NOTES_routed_experts.md``);
+* ptxas's registers and spills per Mosaic GPU kernel (``attention``, ``moe``), which bound how
+  many work items an SM holds: a warp takes registers in units of 256, so a 128-thread
+  warpgroup at ``r`` registers a thread holds ``128 * ceil(r / 8) * 8`` of the SM's 65536.
+
+Timings still need the GPU; nothing here runs a kernel.
+
+Set-up, in an environment of its own (the CUDA plugin is not a jaxspec dependency, and on a
+machine without a GPU its version check finds no cuDNN, hence the variable)::
+
+  python3.12 -m venv .venv-h200
+  .venv-h200/bin/pip install -e . jax-cuda13-plugin==0.11.2 jax-cuda13-pjrt==0.11.2
+  export JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1
+  .venv-h200/bin/python benchmarks/compile_for_h200.py moe --shape GLM-4.5-Air --tokens 384
+  .venv-h200/bin/python benchmarks/compile_for_h200.py attention --group 12 --q-len 7 \\
+      --set transposed_scores=True two_warpgroup_tiles=False
+
+``--set field=value`` replaces fields of the op's ``default_config``; ``moe --module FILE``
+compiles another version of ``jaxspec/kernels/routed_experts/mosaic_gpu.py`` (a branch's, say)
+in place of the installed one.
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_moe import SHAPES, TOP_K  # noqa: E402
+from jaxspec.kernels.decode_attention import mosaic_gpu as attention_mosaic_gpu  # noqa: E402
+
+# One H200 SXM as XLA's GPU compiler sees it (``xla/stream_executor/device_description.proto``):
+# 132 SMs of compute capability 9.0, 228 KiB shared memory per SM (227 KiB to one block),
+# 64K registers per SM, 50 MiB of L2, HBM3e at 4.8 TB/s. Fusion and tiling decisions read these.
+H200_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+runtime_version { major: 13 minor: 0 patch: 0 }
+dnn_version_info { major: 9 minor: 10 }
+platform_name: "CUDA"
+device_description_str: "NVIDIA H200"
+"""
+
+ATTENTION_KV_HEADS = 8
+PAGE_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasReport:
+  """What ptxas printed for one kernel entry."""
+
+  kernel: str
+  registers: int
+  spill_stores: int
+  spill_loads: int
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaKernel:
+  """One instruction of the compiled entry computation that launches work."""
+
+  name: str
+  kind: str  # fusion kind (kLoop, kInput, kCustom), or the custom call's target
+  shape: str
+  reduces: int  # reduce instructions inside the fusion: > 1 in a loop fusion means recomputation
+
+
+def h200_sharding() -> jax.sharding.SingleDeviceSharding:
+  """A single-device sharding on a described (not attached) H200."""
+  topology = topologies.get_topology_desc(
+    "h200", "cuda", target_config=H200_TARGET_CONFIG, topology="1x1x1"
+  )
+  return jax.sharding.SingleDeviceSharding(topology.devices[0])
+
+
+def parse_ptxas(text: str) -> list[PtxasReport]:
+  """One report per ``Compiling entry function`` block of ptxas's ``-v`` output."""
+  reports = []
+  for block in re.split(r"Compiling entry function ", text)[1:]:
+    kernel = re.match(r"'([^']+)'", block)
+    registers = re.search(r"Used (\d+) registers", block)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+    if not (kernel and registers and spills):
+      raise ValueError(f"unexpected ptxas output: {block[:300]!r}")
+    reports.append(
+      PtxasReport(
+        kernel.group(1), int(registers.group(1)), int(spills.group(1)), int(spills.group(2))
+      )
+    )
+  return reports
+
+
+def parse_entry_kernels(hlo_text: str) -> list[XlaKernel]:
+  """The fusions and custom calls of the compiled module's entry computation."""
+  bodies = {}
+  for match in re.finditer(r"^%(\S+) \(.*?^}", hlo_text, flags=re.M | re.S):
+    bodies[match.group(1)] = match.group(0)
+  entry = hlo_text[hlo_text.index("\nENTRY") :]
+  kernels = []
+  pattern = (
+    r"%(\S+) = (\(.*?\)|\S+) (fusion|custom-call)\("
+    r".*?(?:kind=(\w+)|custom_call_target=\"(\w+)\")"
+  )
+  for match in re.finditer(pattern, entry):
+    name, shape, _, kind, target = match.groups()
+    called = re.search(r"calls=%([\w.-]+)", entry[match.start() : entry.index("\n", match.end())])
+    body = bodies.get(called.group(1), "") if called else ""
+    kernels.append(XlaKernel(name, kind or target, shape, len(re.findall(r" reduce\(", body))))
+  return kernels
+
+
+def compile_and_report(fn, args) -> tuple[list[XlaKernel], list[PtxasReport]]:
+  """Compiles ``jit(fn)`` for the H200 and returns its XLA kernels and ptxas's reports.
+
+  Mosaic GPU has ptxas report each kernel when ``MOSAIC_GPU_DUMP_PTXAS`` is set as it compiles;
+  ptxas prints from the compiler's own threads to the process's stdout and stderr, so both file
+  descriptors are pointed at a temporary file for the compile.
+  """
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  sharding = h200_sharding()
+  args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in args]
+  lowered = jax.jit(fn, in_shardings=sharding, out_shardings=sharding).lower(*args)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = os.dup(1), os.dup(2)
+  with tempfile.TemporaryFile(mode="w+") as capture:
+    os.dup2(capture.fileno(), 1)
+    os.dup2(capture.fileno(), 2)
+    try:
+      compiled = lowered.compile()
+    finally:
+      os.dup2(saved[0], 1)
+      os.dup2(saved[1], 2)
+      os.close(saved[0])
+      os.close(saved[1])
+    capture.seek(0)
+    ptxas_text = capture.read()
+  return parse_entry_kernels(compiled.as_text()), parse_ptxas(ptxas_text)
+
+
+def with_fields(config, assignments: list[str]):
+  """``config`` with ``field=value`` assignments applied (ints, bools and None parsed)."""
+  fields = {}
+  for assignment in assignments:
+    name, sep, value = assignment.partition("=")
+    if not sep or not hasattr(config, name):
+      raise ValueError(
+        f"--set takes field=value with a field of {type(config).__name__}: {assignment!r}"
+      )
+    literals = {"True": True, "False": False, "None": None}
+    fields[name] = literals[value] if value in literals else int(value)
+  return dataclasses.replace(config, **fields)
+
+
+def attention_call(args):
+  """The paged decode attention call of a batch of ``--batch`` requests of ``--kv-len``."""
+  rows = args.group * args.q_len
+  batch, kv_len, head_dim = args.batch, args.kv_len, args.head_dim
+  kv_dtype = jnp.float8_e4m3fn if args.fp8 else jnp.bfloat16
+  config = attention_mosaic_gpu.default_config(
+    head_dim, PAGE_SIZE, kv_dtype, rows, ATTENTION_KV_HEADS * batch
+  )
+  # The described device has no SM count to ask, so the plan takes the H200's.
+  config = with_fields(dataclasses.replace(config, num_sms=132), args.set)
+  scale = 0.5 if args.fp8 else None
+  pages = batch * kv_len // PAGE_SIZE
+
+  def call(q, k_pages, v_pages, block_tables, seq_lens):
+    return attention_mosaic_gpu.paged_decode_attention_mosaic_gpu(
+      q,
+      k_pages,
+      v_pages,
+      block_tables,
+      seq_lens,
+      sm_scale=head_dim**-0.5,
+      config=config,
+      k_scale=scale,
+      v_scale=scale,
+    )
+
+  shapes = [
+    ((batch, args.q_len, ATTENTION_KV_HEADS * args.group, head_dim), jnp.bfloat16),  # q
+    ((ATTENTION_KV_HEADS, pages, PAGE_SIZE, head_dim), kv_dtype),  # k_pages
+    ((ATTENTION_KV_HEADS, pages, PAGE_SIZE, head_dim), kv_dtype),  # v_pages
+    ((batch, kv_len // PAGE_SIZE), jnp.int32),  # block_tables
+    ((batch,), jnp.int32),  # seq_lens
+  ]
+  return config, call, shapes
+
+
+def load_module(path: str | None):
+  """The routed-experts Mosaic GPU module: the installed one, or a file of another version."""
+  if path is None:
+    from jaxspec.kernels.routed_experts import mosaic_gpu
+
+    return mosaic_gpu
+  spec = importlib.util.spec_from_file_location("routed_experts_variant", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def moe_call(args):
+  """One routed-experts layer of ``--tokens`` tokens at a GLM expert shape."""
+  module = load_module(args.module)
+  experts, hidden, intermediate = SHAPES[args.shape]
+  config = module.default_config(args.tokens, TOP_K, experts, hidden, intermediate)
+  config = with_fields(config, args.set)
+
+  def call(x, expert_ids, weights, w_gate, w_up, w_down):
+    return module.routed_experts_mosaic_gpu(
+      x, expert_ids, weights, w_gate, w_up, w_down, config=config
+    )
+
+  shapes = [
+    ((args.tokens, hidden), jnp.bfloat16),  # x
+    ((args.tokens, TOP_K), jnp.int32),  # expert_ids
+    ((args.tokens, TOP_K), jnp.float32),  # weights
+    ((experts, hidden, intermediate), jnp.bfloat16),  # w_gate
+    ((experts, hidden, intermediate), jnp.bfloat16),  # w_up
+    ((experts, intermediate, hidden), jnp.bfloat16),  # w_down
+  ]
+  return config, call, shapes
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  commands = parser.add_subparsers(dest="op", required=True)
+  attention = commands.add_parser("attention", help="paged decode attention")
+  attention.add_argument("--group", type=int, default=8, help="query heads per KV head (G)")
+  attention.add_argument("--q-len", type=int, default=1)
+  attention.add_argument("--head-dim", type=int, default=128)
+  attention.add_argument("--batch", type=int, default=64)
+  attention.add_argument("--kv-len", type=int, default=32768)
+  attention.add_argument("--fp8", action="store_true", help="float8_e4m3fn KV pages")
+  moe = commands.add_parser("moe", help="one routed-experts layer")
+  moe.add_argument("--shape", choices=sorted(SHAPES), default="GLM-4.5-Air")
+  moe.add_argument("--tokens", type=int, default=384)
+  moe.add_argument("--module", help="a file to compile in place of routed_experts/mosaic_gpu.py")
+  for sub in (attention, moe):
+    sub.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
+  args = parser.parse_args(argv)
+  if getattr(args, "kv_len", PAGE_SIZE) % PAGE_SIZE:
+    parser.error(f"--kv-len must be a multiple of the page size {PAGE_SIZE}")
+
+  config, call, shapes = (attention_call if args.op == "attention" else moe_call)(args)
+  print(config)
+  kernels, reports = compile_and_report(call, shapes)
+  print(f"\nXLA entry kernels ({len(kernels)}):")
+  for kernel in kernels:
+    print(f"  {kernel.name:36s} {kernel.kind:16s} {kernel.shape:28s} reduces {kernel.reduces}")
+  print("\nptxas (sm_90a):")
+  for report in reports:
+    print(
+      f"  {report.kernel}: {report.registers} registers, spill stores {report.spill_stores} B, "
+      f"spill loads {report.spill_loads} B"
+    )
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,95 @@
+"""The offline H200 compile's report parsers (the compile itself needs the CUDA plugin)."""
+
+import pytest
+
+from benchmarks.compile_for_h200 import (
+  PtxasReport,
+  XlaKernel,
+  parse_entry_kernels,
+  parse_ptxas,
+  with_fields,
+)
+from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig
+
+PTXAS_TWO_KERNELS = (
+  "ptxas info    : 0 bytes gmem\n"
+  "ptxas info    : Compiling entry function 'gate_up_kernel' for 'sm_90a'\n"
+  "ptxas info    : Function properties for gate_up_kernel\n"
+  "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+  "ptxas info    : Used 215 registers, used 2 barriers, 1 bytes smem\n"
+  "ptxas warning : Registers are spilled to local memory in function 'attention_kernel', "
+  "804 bytes spill stores, 712 bytes spill loads\n"
+  "ptxas info    : Compiling entry function 'attention_kernel' for 'sm_90a'\n"
+  "ptxas info    : Function properties for attention_kernel\n"
+  "    536 bytes stack frame, 804 bytes spill stores, 712 bytes spill loads\n"
+  "ptxas info    : Used 255 registers, used 2 barriers, 536 bytes cumulative stack size, "
+  "1 bytes smem\n"
+)
+
+# The shape of a compiled module's text: fused computations first, then the entry computation
+# whose fusions name them with calls=; a tuple-shaped fusion; a custom call with no body.
+HLO_MODULE = """\
+HloModule jit_fn, entry_computation_layout={(f32[8,4]{1,0})->f32[8]{0}}
+
+%region_add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add = f32[] add(%a, %b)
+}
+
+%fused_pair (p0: f32[8,4]) -> (f32[8], s32[8]) {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  %r = f32[8]{0} reduce(%p0, %c), dimensions={1}, to_apply=%region_add
+  %i = s32[8]{0} iota(), iota_dimension=0
+  ROOT %t = (f32[8]{0}, s32[8]{0}) tuple(%r, %i)
+}
+
+%fused_twice (p0: f32[8,4], p1: f32[8]) -> f32[8] {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  %r1 = f32[8]{0} reduce(%p0, %c), dimensions={1}, to_apply=%region_add
+  %r2 = f32[8]{0} reduce(%p0, %c), dimensions={1}, to_apply=%region_add
+  %p1 = f32[8]{0} parameter(1)
+  %s = f32[8]{0} add(%r1, %r2)
+  ROOT %o = f32[8]{0} add(%s, %p1)
+}
+
+ENTRY %main (x: f32[8,4]) -> f32[8] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %input_reduce_fusion = (f32[8]{0}, s32[8]{0}) fusion(%x), kind=kInput, calls=%fused_pair, x={}
+  %gte = f32[8]{0} get-tuple-element(%input_reduce_fusion), index=0
+  %mpmd_map.0 = f32[8]{0} custom-call(%gte), custom_call_target="mosaic_gpu_v2", api_version=1
+  ROOT %loop_reduce_fusion = f32[8]{0} fusion(%x, %mpmd_map.0), kind=kLoop, calls=%fused_twice
+}
+"""
+
+
+def test_parse_ptxas_reads_each_entry_with_its_spills():
+  assert parse_ptxas(PTXAS_TWO_KERNELS) == [
+    PtxasReport("gate_up_kernel", 215, 0, 0),
+    PtxasReport("attention_kernel", 255, 804, 712),
+  ]
+
+
+def test_parse_ptxas_rejects_an_entry_without_a_register_count():
+  text = PTXAS_TWO_KERNELS.replace("Used 255 registers", "Used registers")
+  with pytest.raises(ValueError, match="unexpected ptxas output"):
+    parse_ptxas(text)
+
+
+def test_parse_entry_kernels_lists_fusions_and_custom_calls_with_their_reduces():
+  assert parse_entry_kernels(HLO_MODULE) == [
+    XlaKernel("input_reduce_fusion", "kInput", "(f32[8]{0}, s32[8]{0})", 1),
+    XlaKernel("mpmd_map.0", "mosaic_gpu_v2", "f32[8]{0}", 0),
+    XlaKernel("loop_reduce_fusion", "kLoop", "f32[8]{0}", 2),
+  ]
+
+
+def test_with_fields_parses_values_and_names_a_bad_field():
+  config = with_fields(TuningConfig(), ["num_stages=3", "page_ids_ahead=True", "num_chunks=None"])
+  assert (config.num_stages, config.page_ids_ahead, config.num_chunks) == (3, True, None)
+  with pytest.raises(ValueError, match="no_such_field"):
+    with_fields(TuningConfig(), ["no_such_field=1"])
+  with pytest.raises(ValueError, match="field=value"):
+    with_fields(TuningConfig(), ["num_stages"])
