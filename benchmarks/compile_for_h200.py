@@ -199,10 +199,11 @@ def attention_call(args):
   )
   # The described device has no SM count to ask, so the plan takes the H200's.
   config = with_fields(dataclasses.replace(config, num_sms=132), args.set)
-  scale = 0.5 if args.fp8 else None
   pages = batch * kv_len // PAGE_SIZE
 
-  def call(q, k_pages, v_pages, block_tables, seq_lens):
+  def call(q, k_pages, v_pages, block_tables, seq_lens, *scales):
+    # fp8 pages: the kernel takes the per-KV-head scales as float32 [Hkv] arrays.
+    k_scale, v_scale = scales or (None, None)
     return attention_mosaic_gpu.paged_decode_attention_mosaic_gpu(
       q,
       k_pages,
@@ -211,8 +212,8 @@ def attention_call(args):
       seq_lens,
       sm_scale=head_dim**-0.5,
       config=config,
-      k_scale=scale,
-      v_scale=scale,
+      k_scale=k_scale,
+      v_scale=v_scale,
     )
 
   shapes = [
@@ -222,6 +223,8 @@ def attention_call(args):
     ((batch, kv_len // PAGE_SIZE), jnp.int32),  # block_tables
     ((batch,), jnp.int32),  # seq_lens
   ]
+  if args.fp8:
+    shapes += [((ATTENTION_KV_HEADS,), jnp.float32)] * 2  # k_scale, v_scale
   return config, call, shapes
 
 
