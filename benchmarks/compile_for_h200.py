@@ -27,7 +27,13 @@ machine without a GPU its version check finds no cuDNN, hence the variable)::
 
 ``--set field=value`` replaces fields of the op's ``default_config``; ``moe --module FILE``
 compiles another version of ``jaxspec/kernels/routed_experts/mosaic_gpu.py`` (a branch's, say)
-in place of the installed one.
+in place of the installed one. ``--ptx-dir DIR`` keeps each Mosaic GPU kernel's PTX (with the
+other dumps of Mosaic GPU) in ``DIR``; its SASS, the instructions the H200 would run, then
+comes from the ptxas and cuobjdump of the wheels ``nvidia-cuda-nvcc`` and
+``nvidia-cuda-cuobjdump`` (or a CUDA toolkit)::
+
+  ptxas -arch=sm_90a -o kernel.cubin DIR/paged_attention_kernel_0.ptx
+  cuobjdump -sass kernel.cubin
 """
 
 import argparse
@@ -146,14 +152,19 @@ def parse_entry_kernels(hlo_text: str) -> list[XlaKernel]:
   return kernels
 
 
-def compile_and_report(fn, args) -> tuple[list[XlaKernel], list[PtxasReport]]:
+def compile_and_report(fn, args, ptx_dir=None) -> tuple[list[XlaKernel], list[PtxasReport]]:
   """Compiles ``jit(fn)`` for the H200 and returns its XLA kernels and ptxas's reports.
 
-  Mosaic GPU has ptxas report each kernel when ``MOSAIC_GPU_DUMP_PTXAS`` is set as it compiles;
+  Mosaic GPU has ptxas report each kernel when ``MOSAIC_GPU_DUMP_PTXAS`` is set as it compiles.
   ptxas prints from the compiler's own threads to the process's stdout and stderr, so both file
-  descriptors are pointed at a temporary file for the compile.
+  descriptors are pointed at a temporary file for the compile. With ``ptx_dir`` Mosaic GPU
+  writes each kernel's PTX, its ptxas report and its other dumps there instead
+  (``MOSAIC_GPU_DUMP_TO``), and the reports are read from those files.
   """
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  if ptx_dir is not None:
+    os.environ["MOSAIC_GPU_DUMP_TO"] = str(ptx_dir)
+    os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
   sharding = h200_sharding()
   args = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in args]
   lowered = jax.jit(fn, in_shardings=sharding, out_shardings=sharding).lower(*args)
@@ -172,6 +183,8 @@ def compile_and_report(fn, args) -> tuple[list[XlaKernel], list[PtxasReport]]:
       os.close(saved[1])
     capture.seek(0)
     ptxas_text = capture.read()
+  if ptx_dir is not None:
+    ptxas_text = "".join(path.read_text() for path in sorted(ptx_dir.glob("*.ptxas")))
   return parse_entry_kernels(compiled.as_text()), parse_ptxas(ptxas_text)
 
 
@@ -279,13 +292,20 @@ def main(argv=None) -> None:
   moe.add_argument("--module", help="a file to compile in place of routed_experts/mosaic_gpu.py")
   for sub in (attention, moe):
     sub.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
+    sub.add_argument(
+      "--ptx-dir", type=pathlib.Path, help="a new or empty folder for each kernel's PTX"
+    )
   args = parser.parse_args(argv)
+  if args.ptx_dir is not None and args.ptx_dir.exists() and any(args.ptx_dir.iterdir()):
+    parser.error(f"--ptx-dir {args.ptx_dir} is not empty: its reports would mix with this run's")
   if getattr(args, "kv_len", PAGE_SIZE) % PAGE_SIZE:
     parser.error(f"--kv-len must be a multiple of the page size {PAGE_SIZE}")
 
   config, call, shapes = (attention_call if args.op == "attention" else moe_call)(args)
   print(config)
-  kernels, reports = compile_and_report(call, shapes)
+  if args.ptx_dir is not None:
+    args.ptx_dir.mkdir(parents=True, exist_ok=True)
+  kernels, reports = compile_and_report(call, shapes, args.ptx_dir)
   print(f"\nXLA entry kernels ({len(kernels)}):")
   for kernel in kernels:
     print(f"  {kernel.name:36s} {kernel.kind:16s} {kernel.shape:28s} reduces {kernel.reduces}")
