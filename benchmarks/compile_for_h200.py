@@ -99,6 +99,21 @@ class PtxasReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """XLA's memory analysis of the compiled call, in bytes (what ``bench_moe.peak_memory`` reads
+  on the GPU): the call's peak is arguments + outputs + temporaries - aliased bytes."""
+
+  arguments: int
+  outputs: int
+  temporaries: int
+  aliased: int
+
+  @property
+  def peak(self) -> int:
+    return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
+@dataclasses.dataclass(frozen=True)
 class XlaKernel:
   """One instruction of the compiled entry computation that launches work."""
 
@@ -152,8 +167,11 @@ def parse_entry_kernels(hlo_text: str) -> list[XlaKernel]:
   return kernels
 
 
-def compile_and_report(fn, args, ptx_dir=None) -> tuple[list[XlaKernel], list[PtxasReport]]:
-  """Compiles ``jit(fn)`` for the H200 and returns its XLA kernels and ptxas's reports.
+def compile_and_report(
+  fn, args, ptx_dir=None
+) -> tuple[list[XlaKernel], list[PtxasReport], MemoryReport]:
+  """Compiles ``jit(fn)`` for the H200: its XLA kernels, ptxas's reports and XLA's memory
+  analysis.
 
   Mosaic GPU has ptxas report each kernel when ``MOSAIC_GPU_DUMP_PTXAS`` is set as it compiles.
   ptxas prints from the compiler's own threads to the process's stdout and stderr, so both file
@@ -185,7 +203,14 @@ def compile_and_report(fn, args, ptx_dir=None) -> tuple[list[XlaKernel], list[Pt
     ptxas_text = capture.read()
   if ptx_dir is not None:
     ptxas_text = "".join(path.read_text() for path in sorted(ptx_dir.glob("*.ptxas")))
-  return parse_entry_kernels(compiled.as_text()), parse_ptxas(ptxas_text)
+  analysis = compiled.memory_analysis()
+  memory = MemoryReport(
+    analysis.argument_size_in_bytes,
+    analysis.output_size_in_bytes,
+    analysis.temp_size_in_bytes,
+    analysis.alias_size_in_bytes,
+  )
+  return parse_entry_kernels(compiled.as_text()), parse_ptxas(ptxas_text), memory
 
 
 def with_fields(config, assignments: list[str]):
@@ -305,10 +330,15 @@ def main(argv=None) -> None:
   print(config)
   if args.ptx_dir is not None:
     args.ptx_dir.mkdir(parents=True, exist_ok=True)
-  kernels, reports = compile_and_report(call, shapes, args.ptx_dir)
+  kernels, reports, memory = compile_and_report(call, shapes, args.ptx_dir)
   print(f"\nXLA entry kernels ({len(kernels)}):")
   for kernel in kernels:
     print(f"  {kernel.name:36s} {kernel.kind:16s} {kernel.shape:28s} reduces {kernel.reduces}")
+  print(
+    f"\nXLA memory analysis: peak {memory.peak / 1e9:.3f} GB = arguments "
+    f"{memory.arguments / 1e9:.3f} + outputs {memory.outputs / 1e9:.3f} + temporaries "
+    f"{memory.temporaries / 1e9:.3f} - aliased {memory.aliased / 1e9:.3f}"
+  )
   print("\nptxas (sm_90a):")
   for report in reports:
     print(

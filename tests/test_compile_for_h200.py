@@ -3,6 +3,7 @@
 import pytest
 
 from benchmarks.compile_for_h200 import (
+  MemoryReport,
   PtxasReport,
   XlaKernel,
   parse_entry_kernels,
@@ -93,3 +94,8 @@ def test_with_fields_parses_values_and_names_a_bad_field():
     with_fields(TuningConfig(), ["no_such_field=1"])
   with pytest.raises(ValueError, match="field=value"):
     with_fields(TuningConfig(), ["num_stages"])
+
+
+def test_memory_peak_counts_aliased_bytes_once():
+  # An output aliasing an argument is counted in both sizes and in the aliased bytes.
+  assert MemoryReport(arguments=10, outputs=2, temporaries=3, aliased=2).peak == 13
