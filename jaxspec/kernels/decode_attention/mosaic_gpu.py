@@ -264,19 +264,12 @@ class TuningConfig:
   page_ids_ahead: bool = False
 
   def __post_init__(self):
-    validate_config_fields(self)
-    if self.block_kv <= 0 or self.block_kv % 64:
+    # Positive ints (num_chunks and balance_waves may be None): bools and floats are refused.
+    validate_config_fields(self, positive=("block_kv", "num_stages", "num_chunks", "balance_waves"))
+    if self.block_kv % 64:
       raise ValueError(f"block_kv must be a positive multiple of 64, got {self.block_kv}")
-    if self.num_stages < 1:
-      raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
-    if self.num_chunks is not None and self.num_chunks < 1:
-      raise ValueError(f"num_chunks must be at least 1 or None, got {self.num_chunks}")
     if not isinstance(self.two_warpgroup_tiles, bool):
       raise ValueError(f"two_warpgroup_tiles must be a bool, got {self.two_warpgroup_tiles!r}")
-    if self.balance_waves is not None and (
-      not isinstance(self.balance_waves, int) or self.balance_waves < 1
-    ):
-      raise ValueError(f"balance_waves must be a positive int or None, got {self.balance_waves!r}")
     for name in (
       "merge_kernel",
       "fp8_8bit_layout",
