@@ -223,7 +223,13 @@ def with_fields(config, assignments: list[str]):
         f"--set takes field=value with a field of {type(config).__name__}: {assignment!r}"
       )
     literals = {"True": True, "False": False, "None": None}
-    fields[name] = literals[value] if value in literals else int(value)
+    if value in literals:
+      fields[name] = literals[value]
+    elif re.fullmatch(r"-?\d+", value):
+      fields[name] = int(value)
+    else:
+      fields[name] = value  # a string field (routed experts' warpgroup_split); validated below
+
   return dataclasses.replace(config, **fields)
 
 
@@ -326,7 +332,10 @@ def main(argv=None) -> None:
   if getattr(args, "kv_len", PAGE_SIZE) % PAGE_SIZE:
     parser.error(f"--kv-len must be a multiple of the page size {PAGE_SIZE}")
 
-  config, call, shapes = (attention_call if args.op == "attention" else moe_call)(args)
+  try:  # a bad --set (an unknown field, or a value the config's validation refuses)
+    config, call, shapes = (attention_call if args.op == "attention" else moe_call)(args)
+  except ValueError as error:
+    parser.error(str(error))
   print(config)
   if args.ptx_dir is not None:
     args.ptx_dir.mkdir(parents=True, exist_ok=True)
