@@ -1,14 +1,16 @@
-"""Compile jaxspec's kernels for an H200 on a machine without a GPU: XLA kernels, ptxas registers.
+"""Compile jaxspec's kernels for an H200 without a GPU: XLA kernels, memory, ptxas registers.
 
 XLA compiles for the GPU it is described, not only the one it sees: jax's ahead-of-time path
 (``jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)``) takes a
 ``GpuTargetConfigProto`` of the device, and the CUDA plugin's compiler then runs its whole
 pipeline for it (fusion, scheduling, and the Mosaic GPU kernels through ptxas) with no CUDA
-device attached. Two facts come out of that without a GPU run:
+device attached. Three things come out of that without a GPU run:
 
 * which XLA kernels a call becomes and what each one fuses (``moe``): the counting-sort route
   plan at 384 tokens showed the per-expert sums of the earlier blocks recomputed inside the
   combine fusion for every output element (``benchmarks/NOTES_routed_experts.md``);
+* XLA's memory analysis of the call, the peak-memory figure ``bench_moe.py`` reports (for
+  main's routed experts at 8192 tokens it gives the H200 run's figures to the byte);
 * ptxas's registers and spills per Mosaic GPU kernel (``attention``, ``moe``), which bound how
   many work items an SM holds: a warp takes registers in units of 256, so a 128-thread
   warpgroup at ``r`` registers a thread holds ``128 * ceil(r / 8) * 8`` of the SM's 65536.
@@ -30,7 +32,8 @@ compiles another version of ``jaxspec/kernels/routed_experts/mosaic_gpu.py`` (a 
 in place of the installed one. ``--ptx-dir DIR`` keeps each Mosaic GPU kernel's PTX (with the
 other dumps of Mosaic GPU) in ``DIR``; its SASS, the instructions the H200 would run, then
 comes from the ptxas and cuobjdump of the wheels ``nvidia-cuda-nvcc`` and
-``nvidia-cuda-cuobjdump`` (or a CUDA toolkit)::
+``nvidia-cuda-cuobjdump`` (installed under ``site-packages/nvidia/cu13/bin``) or of a CUDA
+toolkit::
 
   ptxas -arch=sm_90a -o kernel.cubin DIR/paged_attention_kernel_0.ptx
   cuobjdump -sass kernel.cubin
