@@ -10,7 +10,8 @@ device attached. Three things come out of that without a GPU run:
   plan at 384 tokens showed the per-expert sums of the earlier blocks recomputed inside the
   combine fusion for every output element (``benchmarks/NOTES_routed_experts.md``);
 * XLA's memory analysis of the call, the peak-memory figure ``bench_moe.py`` reports (for
-  main's routed experts at 8192 tokens it gives the H200 run's figures to the byte);
+  main's routed experts at GLM-4.5-Air 8192 tokens the H200 run's figure to the byte; at
+  GLM-4.5 0.27 MB below it, of 8.16 GB);
 * ptxas's registers and spills per Mosaic GPU kernel (``attention``, ``moe``), which bound how
   many work items an SM holds: a warp takes registers in units of 256, so a 128-thread
   warpgroup at ``r`` registers a thread holds ``128 * ceil(r / 8) * 8`` of the SM's 65536.
