@@ -204,18 +204,39 @@ def measure_matmul_rate(size=8192):
   return 2 * size**3 / seconds / 1e12
 
 
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """XLA's memory analysis of a compiled call, in bytes: its peak is arguments + outputs +
+  temporaries - aliased bytes (an output aliasing an argument is counted in both)."""
+
+  arguments: int
+  outputs: int
+  temporaries: int
+  aliased: int
+
+  @classmethod
+  def of(cls, compiled) -> "MemoryReport | None":
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+      return None
+    return cls(
+      int(analysis.argument_size_in_bytes),
+      int(analysis.output_size_in_bytes),
+      int(analysis.temp_size_in_bytes),
+      int(analysis.alias_size_in_bytes),
+    )
+
+  @property
+  def peak(self) -> int:
+    return self.arguments + self.outputs + self.temporaries - self.aliased
+
+
 def peak_memory(fn, variant, layer):
   """Bytes of one compiled call: arguments + outputs + temporaries (XLA's memory analysis)."""
-  analysis = jax.jit(fn).lower(variant, *layer.weights).compile().memory_analysis()
-  if analysis is None:
+  report = MemoryReport.of(jax.jit(fn).lower(variant, *layer.weights).compile())
+  if report is None:
     return None
-  total = (
-    analysis.argument_size_in_bytes
-    + analysis.output_size_in_bytes
-    + analysis.temp_size_in_bytes
-    - analysis.alias_size_in_bytes
-  )
-  return {"total": int(total), "temp": int(analysis.temp_size_in_bytes)}
+  return {"total": report.peak, "temp": report.temporaries}
 
 
 def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):

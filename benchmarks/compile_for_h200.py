@@ -55,7 +55,7 @@ from jax.experimental import topologies
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_moe import SHAPES, TOP_K  # noqa: E402
+from benchmarks.bench_moe import SHAPES, TOP_K, MemoryReport  # noqa: E402
 from jaxspec.kernels.decode_attention import mosaic_gpu as attention_mosaic_gpu  # noqa: E402
 
 # One H200 SXM as XLA's GPU compiler sees it (``xla/stream_executor/device_description.proto``):
@@ -100,21 +100,6 @@ class PtxasReport:
   registers: int
   spill_stores: int
   spill_loads: int
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryReport:
-  """XLA's memory analysis of the compiled call, in bytes (what ``bench_moe.peak_memory`` reads
-  on the GPU): the call's peak is arguments + outputs + temporaries - aliased bytes."""
-
-  arguments: int
-  outputs: int
-  temporaries: int
-  aliased: int
-
-  @property
-  def peak(self) -> int:
-    return self.arguments + self.outputs + self.temporaries - self.aliased
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,14 +192,11 @@ def compile_and_report(
     ptxas_text = capture.read()
   if ptx_dir is not None:
     ptxas_text = "".join(path.read_text() for path in sorted(ptx_dir.glob("*.ptxas")))
-  analysis = compiled.memory_analysis()
-  memory = MemoryReport(
-    analysis.argument_size_in_bytes,
-    analysis.output_size_in_bytes,
-    analysis.temp_size_in_bytes,
-    analysis.alias_size_in_bytes,
+  return (
+    parse_entry_kernels(compiled.as_text()),
+    parse_ptxas(ptxas_text),
+    MemoryReport.of(compiled),
   )
-  return parse_entry_kernels(compiled.as_text()), parse_ptxas(ptxas_text), memory
 
 
 def with_fields(config, assignments: list[str]):
@@ -241,6 +223,8 @@ def attention_call(args):
   """The paged decode attention call of a batch of ``--batch`` requests of ``--kv-len``."""
   rows = args.group * args.q_len
   batch, kv_len, head_dim = args.batch, args.kv_len, args.head_dim
+  if kv_len % PAGE_SIZE:
+    raise ValueError(f"--kv-len must be a multiple of the page size {PAGE_SIZE}, got {kv_len}")
   kv_dtype = jnp.float8_e4m3fn if args.fp8 else jnp.bfloat16
   config = attention_mosaic_gpu.default_config(
     head_dim, PAGE_SIZE, kv_dtype, rows, ATTENTION_KV_HEADS * batch
@@ -333,10 +317,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
   if args.ptx_dir is not None and args.ptx_dir.exists() and any(args.ptx_dir.iterdir()):
     parser.error(f"--ptx-dir {args.ptx_dir} is not empty: its reports would mix with this run's")
-  if getattr(args, "kv_len", PAGE_SIZE) % PAGE_SIZE:
-    parser.error(f"--kv-len must be a multiple of the page size {PAGE_SIZE}")
-
-  try:  # a bad --set (an unknown field, or a value the config's validation refuses)
+  try:  # a bad --kv-len or --set (an unknown field, or a value the config refuses)
     config, call, shapes = (attention_call if args.op == "attention" else moe_call)(args)
   except ValueError as error:
     parser.error(str(error))

@@ -2,8 +2,8 @@
 
 import pytest
 
+from benchmarks.bench_moe import MemoryReport
 from benchmarks.compile_for_h200 import (
-  MemoryReport,
   PtxasReport,
   XlaKernel,
   parse_entry_kernels,
