@@ -12,8 +12,8 @@ device attached. Three things come out of that without a GPU run:
 * XLA's memory analysis of the call, the peak-memory figure ``bench_moe.py`` reports (for
   main's routed experts at GLM-4.5-Air 8192 tokens the H200 run's figure to the byte; at
   GLM-4.5 0.27 MB below it, of 8.16 GB);
-* ptxas's registers and spills per Mosaic GPU kernel (``attention``, ``moe``), which bound how
-  many work items an SM holds: a warp takes registers in units of 256, so a 128-thread
+* ptxas's registers and spills per Mosaic GPU kernel (``attention``, ``moe``, ``index``), which
+  bound how many work items an SM holds: a warp takes registers in units of 256, so a 128-thread
   warpgroup at ``r`` registers a thread holds ``128 * ceil(r / 8) * 8`` of the SM's 65536.
 
 Timings still need the GPU; nothing here runs a kernel.
@@ -27,6 +27,7 @@ machine without a GPU its version check finds no cuDNN, hence the variable)::
   .venv-h200/bin/python benchmarks/compile_for_h200.py moe --shape GLM-4.5-Air --tokens 384
   .venv-h200/bin/python benchmarks/compile_for_h200.py attention --group 12 --q-len 7 \\
       --set transposed_scores=True two_warpgroup_tiles=False
+  .venv-h200/bin/python benchmarks/compile_for_h200.py index --tokens 4096 --topk 2048
 
 ``--set field=value`` replaces fields of the op's ``default_config``; ``moe --module FILE``
 compiles another version of ``jaxspec/kernels/routed_experts/mosaic_gpu.py`` (a branch's, say)
@@ -57,6 +58,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_moe import SHAPES, TOP_K, MemoryReport  # noqa: E402
 from jaxspec.kernels.decode_attention import mosaic_gpu as attention_mosaic_gpu  # noqa: E402
+from jaxspec.kernels.sparse_index import mosaic_gpu as index_mosaic_gpu  # noqa: E402
 
 # One H200 SXM as XLA's GPU compiler sees it (``xla/stream_executor/device_description.proto``):
 # 132 SMs of compute capability 9.0, 228 KiB shared memory per SM (227 KiB to one block),
@@ -295,6 +297,29 @@ def moe_call(args):
   return config, call, shapes
 
 
+def index_call(args):
+  """The top-k index conversion of ``--tokens`` tokens of ``--topk`` entries each."""
+  # The persistent grid's plan reads the SM count, which the described device cannot give.
+  config = with_fields(index_mosaic_gpu.TuningConfig(num_sms=132), args.set)
+
+  def call(req_ids, block_table, topk):
+    return index_mosaic_gpu.convert_topk_to_physical_mosaic_gpu(
+      req_ids,
+      block_table,
+      topk,
+      block_size=args.block_size,
+      block_stride=args.block_size,
+      config=config,
+    )
+
+  shapes = [
+    ((args.tokens,), jnp.int32),  # req_ids
+    ((args.requests, args.max_blocks), jnp.int32),  # block_table
+    ((args.tokens, args.topk), jnp.int32),  # topk
+  ]
+  return config, call, shapes
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   commands = parser.add_subparsers(dest="op", required=True)
@@ -309,7 +334,13 @@ def main(argv=None) -> None:
   moe.add_argument("--shape", choices=sorted(SHAPES), default="GLM-4.5-Air")
   moe.add_argument("--tokens", type=int, default=384)
   moe.add_argument("--module", help="a file to compile in place of routed_experts/mosaic_gpu.py")
-  for sub in (attention, moe):
+  index = commands.add_parser("index", help="top-k index conversion of sparse MLA")
+  index.add_argument("--tokens", type=int, default=4096)
+  index.add_argument("--topk", type=int, default=2048)
+  index.add_argument("--requests", type=int, default=1024, help="rows of the block table")
+  index.add_argument("--max-blocks", type=int, default=1024, help="columns of the block table")
+  index.add_argument("--block-size", type=int, default=64)
+  for sub in (attention, moe, index):
     sub.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
     sub.add_argument(
       "--ptx-dir", type=pathlib.Path, help="a new or empty folder for each kernel's PTX"
@@ -318,7 +349,8 @@ def main(argv=None) -> None:
   if args.ptx_dir is not None and args.ptx_dir.exists() and any(args.ptx_dir.iterdir()):
     parser.error(f"--ptx-dir {args.ptx_dir} is not empty: its reports would mix with this run's")
   try:  # a bad --kv-len or --set (an unknown field, or a value the config refuses)
-    config, call, shapes = (attention_call if args.op == "attention" else moe_call)(args)
+    calls = {"attention": attention_call, "moe": moe_call, "index": index_call}
+    config, call, shapes = calls[args.op](args)
   except ValueError as error:
     parser.error(str(error))
   print(config)

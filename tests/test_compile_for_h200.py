@@ -1,11 +1,16 @@
 """The offline H200 compile's report parsers (the compile itself needs the CUDA plugin)."""
 
+import argparse
+
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks.bench_moe import MemoryReport
 from benchmarks.compile_for_h200 import (
   PtxasReport,
   XlaKernel,
+  index_call,
   parse_entry_kernels,
   parse_ptxas,
   with_fields,
@@ -99,3 +104,14 @@ def test_with_fields_parses_values_and_names_a_bad_field():
 def test_memory_peak_counts_aliased_bytes_once():
   # An output aliasing an argument is counted in both sizes and in the aliased bytes.
   assert MemoryReport(arguments=10, outputs=2, temporaries=3, aliased=2).peak == 13
+
+
+def test_index_call_applies_set_and_traces_to_the_op_shapes():
+  args = argparse.Namespace(
+    tokens=6, topk=10, requests=3, max_blocks=8, block_size=4, set=["blocks_per_sm=2"]
+  )
+  config, call, shapes = index_call(args)
+  assert (config.blocks_per_sm, config.num_sms) == (2, 132)
+  physical, counts = jax.eval_shape(call, *(jax.ShapeDtypeStruct(*shape) for shape in shapes))
+  assert (physical.shape, counts.shape) == ((6, 10), (6,))
+  assert physical.dtype == counts.dtype == jnp.int32
