@@ -29,13 +29,12 @@ machine without a GPU its version check finds no cuDNN, hence the variable)::
       --set transposed_scores=True two_warpgroup_tiles=False
   .venv-h200/bin/python benchmarks/compile_for_h200.py index --tokens 4096 --topk 2048
 
-``--set field=value`` replaces fields of the op's ``default_config``; ``moe --module FILE``
-compiles another version of ``jaxspec/kernels/routed_experts/mosaic_gpu.py`` (a branch's, say)
-in place of the installed one. ``--ptx-dir DIR`` keeps each Mosaic GPU kernel's PTX (with the
-other dumps of Mosaic GPU) in ``DIR``; its SASS, the instructions the H200 would run, then
-comes from the ptxas and cuobjdump of the wheels ``nvidia-cuda-nvcc`` and
-``nvidia-cuda-cuobjdump`` (installed under ``site-packages/nvidia/cu13/bin``) or of a CUDA
-toolkit::
+``--set field=value`` replaces fields of the op's ``default_config``; ``--module FILE`` compiles
+another version of the op's ``mosaic_gpu.py`` (a branch's, say) in place of the installed one.
+``--ptx-dir DIR`` keeps each Mosaic GPU kernel's PTX (with the other dumps of Mosaic GPU) in
+``DIR``; its SASS, the instructions the H200 would run, then comes from the ptxas and cuobjdump of
+the wheels ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cuobjdump`` (installed under
+``site-packages/nvidia/cu13/bin``) or of a CUDA toolkit::
 
   ptxas -arch=sm_90a -o kernel.cubin DIR/paged_attention_kernel_0.ptx
   cuobjdump -sass kernel.cubin
@@ -58,6 +57,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_moe import SHAPES, TOP_K, MemoryReport  # noqa: E402
 from jaxspec.kernels.decode_attention import mosaic_gpu as attention_mosaic_gpu  # noqa: E402
+from jaxspec.kernels.routed_experts import mosaic_gpu as routed_experts_mosaic_gpu  # noqa: E402
 from jaxspec.kernels.sparse_index import mosaic_gpu as index_mosaic_gpu  # noqa: E402
 
 # One H200 SXM as XLA's GPU compiler sees it (``xla/stream_executor/device_description.proto``):
@@ -228,9 +228,8 @@ def attention_call(args):
   if kv_len % PAGE_SIZE:
     raise ValueError(f"--kv-len must be a multiple of the page size {PAGE_SIZE}, got {kv_len}")
   kv_dtype = jnp.float8_e4m3fn if args.fp8 else jnp.bfloat16
-  config = attention_mosaic_gpu.default_config(
-    head_dim, PAGE_SIZE, kv_dtype, rows, ATTENTION_KV_HEADS * batch
-  )
+  module = load_module(args.module, attention_mosaic_gpu)
+  config = module.default_config(head_dim, PAGE_SIZE, kv_dtype, rows, ATTENTION_KV_HEADS * batch)
   # The described device has no SM count to ask, so the plan takes the H200's.
   config = with_fields(dataclasses.replace(config, num_sms=132), args.set)
   pages = batch * kv_len // PAGE_SIZE
@@ -238,7 +237,7 @@ def attention_call(args):
   def call(q, k_pages, v_pages, block_tables, seq_lens, *scales):
     # fp8 pages: the kernel takes the per-KV-head scales as float32 [Hkv] arrays.
     k_scale, v_scale = scales or (None, None)
-    return attention_mosaic_gpu.paged_decode_attention_mosaic_gpu(
+    return module.paged_decode_attention_mosaic_gpu(
       q,
       k_pages,
       v_pages,
@@ -262,13 +261,11 @@ def attention_call(args):
   return config, call, shapes
 
 
-def load_module(path: str | None):
-  """The routed-experts Mosaic GPU module: the installed one, or a file of another version."""
+def load_module(path: str | None, installed):
+  """The op's Mosaic GPU module: ``installed``, or the version in the file ``path``."""
   if path is None:
-    from jaxspec.kernels.routed_experts import mosaic_gpu
-
-    return mosaic_gpu
-  spec = importlib.util.spec_from_file_location("routed_experts_variant", path)
+    return installed
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -276,7 +273,7 @@ def load_module(path: str | None):
 
 def moe_call(args):
   """One routed-experts layer of ``--tokens`` tokens at a GLM expert shape."""
-  module = load_module(args.module)
+  module = load_module(args.module, routed_experts_mosaic_gpu)
   experts, hidden, intermediate = SHAPES[args.shape]
   config = module.default_config(args.tokens, TOP_K, experts, hidden, intermediate)
   config = with_fields(config, args.set)
@@ -300,10 +297,11 @@ def moe_call(args):
 def index_call(args):
   """The top-k index conversion of ``--tokens`` tokens of ``--topk`` entries each."""
   # The persistent grid's plan reads the SM count, which the described device cannot give.
-  config = with_fields(index_mosaic_gpu.TuningConfig(num_sms=132), args.set)
+  module = load_module(args.module, index_mosaic_gpu)
+  config = with_fields(module.TuningConfig(num_sms=132), args.set)
 
   def call(req_ids, block_table, topk):
-    return index_mosaic_gpu.convert_topk_to_physical_mosaic_gpu(
+    return module.convert_topk_to_physical_mosaic_gpu(
       req_ids,
       block_table,
       topk,
@@ -333,7 +331,6 @@ def main(argv=None) -> None:
   moe = commands.add_parser("moe", help="one routed-experts layer")
   moe.add_argument("--shape", choices=sorted(SHAPES), default="GLM-4.5-Air")
   moe.add_argument("--tokens", type=int, default=384)
-  moe.add_argument("--module", help="a file to compile in place of routed_experts/mosaic_gpu.py")
   index = commands.add_parser("index", help="top-k index conversion of sparse MLA")
   index.add_argument("--tokens", type=int, default=4096)
   index.add_argument("--topk", type=int, default=2048)
@@ -341,6 +338,7 @@ def main(argv=None) -> None:
   index.add_argument("--max-blocks", type=int, default=1024, help="columns of the block table")
   index.add_argument("--block-size", type=int, default=64)
   for sub in (attention, moe, index):
+    sub.add_argument("--module", help="a file to compile in place of the op's mosaic_gpu.py")
     sub.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
     sub.add_argument(
       "--ptx-dir", type=pathlib.Path, help="a new or empty folder for each kernel's PTX"

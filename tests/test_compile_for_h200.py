@@ -1,6 +1,7 @@
 """The offline H200 compile's report parsers (the compile itself needs the CUDA plugin)."""
 
 import argparse
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -108,10 +109,23 @@ def test_memory_peak_counts_aliased_bytes_once():
 
 def test_index_call_applies_set_and_traces_to_the_op_shapes():
   args = argparse.Namespace(
-    tokens=6, topk=10, requests=3, max_blocks=8, block_size=4, set=["blocks_per_sm=2"]
+    tokens=6, topk=10, requests=3, max_blocks=8, block_size=4, set=["blocks_per_sm=2"], module=None
   )
   config, call, shapes = index_call(args)
   assert (config.blocks_per_sm, config.num_sms) == (2, 132)
   physical, counts = jax.eval_shape(call, *(jax.ShapeDtypeStruct(*shape) for shape in shapes))
   assert (physical.shape, counts.shape) == ((6, 10), (6,))
   assert physical.dtype == counts.dtype == jnp.int32
+
+
+def test_module_replaces_the_installed_kernel_module(tmp_path):
+  from jaxspec.kernels.sparse_index import mosaic_gpu
+
+  variant = tmp_path / "index_variant.py"
+  variant.write_text(pathlib.Path(mosaic_gpu.__file__).read_text())
+  args = argparse.Namespace(
+    tokens=6, topk=10, requests=3, max_blocks=8, block_size=4, set=[], module=str(variant)
+  )
+  config, _, _ = index_call(args)
+  assert type(config).__module__ == "index_variant"
+  assert type(config) is not mosaic_gpu.TuningConfig
