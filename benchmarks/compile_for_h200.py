@@ -32,12 +32,13 @@ machine without a GPU its version check finds no cuDNN, hence the variable)::
 ``--set field=value`` replaces fields of the op's ``default_config``; ``--module FILE`` compiles
 another version of the op's ``mosaic_gpu.py`` (a branch's, say) in place of the installed one.
 ``--ptx-dir DIR`` keeps each Mosaic GPU kernel's PTX (with the other dumps of Mosaic GPU) in
-``DIR``; its SASS, the instructions the H200 would run, then comes from the ptxas and cuobjdump of
-the wheels ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cuobjdump`` (installed under
-``site-packages/nvidia/cu13/bin``) or of a CUDA toolkit::
+``DIR``; ``--sass`` then assembles it for sm_90a and disassembles it (``ptxas``, ``cuobjdump``:
+from a CUDA toolkit, or the wheels ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cuobjdump``, which
+install them under ``site-packages/nvidia/cu13/bin``), keeps the SASS, the instructions the H200
+would run, beside the PTX, and prints its static counts: instructions, warpgroup barriers,
+wgmmas, TMA loads, local-memory accesses (spills). Those counts are what the notes cite, e.g.::
 
-  ptxas -arch=sm_90a -o kernel.cubin DIR/paged_attention_kernel_0.ptx
-  cuobjdump -sass kernel.cubin
+  .venv-h200/bin/python benchmarks/compile_for_h200.py attention --fp8 --ptx-dir DIR --sass
 """
 
 import argparse
@@ -46,6 +47,8 @@ import importlib.util
 import os
 import pathlib
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -114,6 +117,18 @@ class XlaKernel:
   reduces: int  # reduce instructions inside the fusion: > 1 in a loop fusion means recomputation
 
 
+@dataclasses.dataclass(frozen=True)
+class SassCounts:
+  """Instructions of one kernel's SASS, the code the H200 runs, by kind (static counts)."""
+
+  kernel: str
+  instructions: int
+  barriers: int  # BAR.SYNC: block and named (warpgroup) barriers
+  wgmmas: int  # HGMMA
+  tma_loads: int  # UTMALDG (tensor copies) and UBLKCP.S.G (bulk copies into shared memory)
+  local_memory: int  # LDL and STL: spills, or arrays the compiler put in local memory
+
+
 def h200_sharding() -> jax.sharding.SingleDeviceSharding:
   """A single-device sharding on a described (not attached) H200."""
   topology = topologies.get_topology_desc(
@@ -137,6 +152,65 @@ def parse_ptxas(text: str) -> list[PtxasReport]:
       )
     )
   return reports
+
+
+def count_sass(kernel: str, sass_text: str) -> SassCounts:
+  """``SassCounts`` of ``cuobjdump -sass`` output (one kernel)."""
+  # Instruction lines: /*0040*/ [@P0] OPCODE.MODIFIERS operands ;
+  opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass_text)
+  if not opcodes:
+    raise ValueError(f"no SASS instructions in the disassembly of {kernel}")
+
+  def count(*prefixes):
+    return sum(any(op == p or op.startswith(p + ".") for p in prefixes) for op in opcodes)
+
+  return SassCounts(
+    kernel=kernel,
+    instructions=len(opcodes),
+    barriers=count("BAR.SYNC"),
+    wgmmas=count("HGMMA"),
+    tma_loads=count("UTMALDG", "UBLKCP.S.G"),
+    local_memory=count("LDL", "STL"),
+  )
+
+
+def find_cuda_tool(name: str) -> str:
+  """``name`` (ptxas, cuobjdump) from ``PATH``, ``$CUDA_HOME/bin`` or the CUDA wheels'
+  ``nvidia/cu13/bin``."""
+  candidates = [shutil.which(name)]
+  candidates += [
+    os.path.join(os.environ[var], "bin", name)
+    for var in ("CUDA_HOME", "CUDA_PATH")
+    if var in os.environ
+  ]
+  nvidia = importlib.util.find_spec("nvidia")
+  if nvidia is not None and nvidia.submodule_search_locations:
+    candidates += [
+      os.path.join(root, "cu13", "bin", name) for root in nvidia.submodule_search_locations
+    ]
+  for candidate in candidates:
+    if candidate and os.access(candidate, os.X_OK):
+      return candidate
+  raise FileNotFoundError(
+    f"{name} not found on PATH, in $CUDA_HOME/bin or in site-packages/nvidia/cu13/bin: install a "
+    "CUDA toolkit or the wheels nvidia-cuda-nvcc and nvidia-cuda-cuobjdump"
+  )
+
+
+def sass_counts(ptx_dir: pathlib.Path) -> list[SassCounts]:
+  """Assembles each kernel's PTX in ``ptx_dir`` for sm_90a and counts its SASS; the SASS is kept
+  beside the PTX (``<kernel>.sass``)."""
+  ptxas, cuobjdump = find_cuda_tool("ptxas"), find_cuda_tool("cuobjdump")
+  counts = []
+  for ptx in sorted(ptx_dir.glob("*.ptx")):
+    cubin = ptx.with_suffix(".cubin")
+    subprocess.run([ptxas, "-arch=sm_90a", "-o", str(cubin), str(ptx)], check=True)
+    sass = subprocess.run(
+      [cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True
+    ).stdout
+    ptx.with_suffix(".sass").write_text(sass)
+    counts.append(count_sass(ptx.stem, sass))
+  return counts
 
 
 def parse_entry_kernels(hlo_text: str) -> list[XlaKernel]:
@@ -343,7 +417,19 @@ def main(argv=None) -> None:
     sub.add_argument(
       "--ptx-dir", type=pathlib.Path, help="a new or empty folder for each kernel's PTX"
     )
+    sub.add_argument(
+      "--sass",
+      action="store_true",
+      help="assemble the PTX (ptxas, cuobjdump) and count the SASS; needs --ptx-dir",
+    )
   args = parser.parse_args(argv)
+  if args.sass and args.ptx_dir is None:
+    parser.error("--sass needs --ptx-dir, where the PTX and the SASS are written")
+  if args.sass:
+    try:  # before the compile, which can take minutes
+      find_cuda_tool("ptxas"), find_cuda_tool("cuobjdump")
+    except FileNotFoundError as error:
+      parser.error(str(error))
   if args.ptx_dir is not None and args.ptx_dir.exists() and any(args.ptx_dir.iterdir()):
     parser.error(f"--ptx-dir {args.ptx_dir} is not empty: its reports would mix with this run's")
   try:  # a bad --kv-len or --set (an unknown field, or a value the config refuses)
@@ -369,6 +455,14 @@ def main(argv=None) -> None:
       f"  {report.kernel}: {report.registers} registers, spill stores {report.spill_stores} B, "
       f"spill loads {report.spill_loads} B"
     )
+  if args.sass:
+    print(f"\nSASS (sm_90a, static counts; kept in {args.ptx_dir}):")
+    for counts in sass_counts(args.ptx_dir):
+      print(
+        f"  {counts.kernel}: {counts.instructions} instructions, {counts.barriers} BAR.SYNC, "
+        f"{counts.wgmmas} HGMMA, {counts.tma_loads} TMA loads, "
+        f"{counts.local_memory} local-memory accesses"
+      )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ import pytest
 from benchmarks.bench_moe import MemoryReport
 from benchmarks.compile_for_h200 import (
   PtxasReport,
+  SassCounts,
   XlaKernel,
+  count_sass,
+  find_cuda_tool,
   index_call,
   parse_entry_kernels,
   parse_ptxas,
@@ -129,3 +132,40 @@ def test_module_replaces_the_installed_kernel_module(tmp_path):
   config, _, _ = index_call(args)
   assert type(config).__module__ == "index_variant"
   assert type(config) is not mosaic_gpu.TuningConfig
+
+
+SASS = """\
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                  /* 0x00000a00ff017b82 */
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x1, 0x80 ;      /* 0x0000000000007b1d */
+        /*0020*/              @UP0 UTMALDG.5D [UR40], [UR10] ;              /* 0x00000000280075b4 */
+        /*0030*/                   HGMMA.64x8x16.F32 R24, R64, gdesc[UR8], RZ, !UPT ;
+        /*0040*/             @!P1 BRA 0x9790 ;                              /* 0x0000005400d08947 */
+        /*0050*/                   STL [R1+0x4], R2 ;                       /* 0x0000040201007387 */
+       /*10060*/                   LDL R3, [R1+0x4] ;                       /* 0x0000040001037983 */
+       /*10070*/                   UBLKCP.S.G [UR10], [UR4], UR12 ;         /* 0x000000040a0073ba */
+       /*10080*/                   BAR.ARV 0x2, 0x80 ;                      /* 0x0000000000007b1d */
+"""
+
+
+def test_count_sass_counts_each_kind_at_any_address_width():
+  assert count_sass("k", SASS) == SassCounts(
+    kernel="k", instructions=9, barriers=1, wgmmas=1, tma_loads=2, local_memory=2
+  )
+  with pytest.raises(ValueError, match="no SASS instructions in the disassembly of k"):
+    count_sass("k", "Fatbin elf code:\n")
+
+
+def test_find_cuda_tool_takes_path_then_cuda_home(tmp_path, monkeypatch):
+  home = tmp_path / "cuda"
+  (home / "bin").mkdir(parents=True)
+  tool = home / "bin" / "ptxas"
+  tool.write_text("#!/bin/sh\n")
+  tool.chmod(0o755)
+  monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+  monkeypatch.setenv("CUDA_HOME", str(home))
+  assert find_cuda_tool("ptxas") == str(tool)
+  monkeypatch.setenv("PATH", str(home / "bin"))
+  monkeypatch.delenv("CUDA_HOME")
+  assert find_cuda_tool("ptxas") == str(tool)
+  with pytest.raises(FileNotFoundError, match="no_such_tool not found"):
+    find_cuda_tool("no_such_tool")
