@@ -127,6 +127,7 @@ class SassCounts:
   wgmmas: int  # HGMMA
   tma_loads: int  # UTMALDG (tensor copies) and UBLKCP.S.G (bulk copies into shared memory)
   local_memory: int  # LDL and STL: spills, or arrays the compiler put in local memory
+  ptxas_notes: tuple[str, ...] = ()  # what ptxas said while assembling (e.g. wgmma serialised)
 
 
 def h200_sharding() -> jax.sharding.SingleDeviceSharding:
@@ -204,12 +205,17 @@ def sass_counts(ptx_dir: pathlib.Path) -> list[SassCounts]:
   counts = []
   for ptx in sorted(ptx_dir.glob("*.ptx")):
     cubin = ptx.with_suffix(".cubin")
-    subprocess.run([ptxas, "-arch=sm_90a", "-o", str(cubin), str(ptx)], check=True)
+    assembled = subprocess.run(
+      [ptxas, "-arch=sm_90a", "-o", str(cubin), str(ptx)], capture_output=True, text=True
+    )
+    notes = tuple(line for line in (assembled.stdout + assembled.stderr).splitlines() if line)
+    if assembled.returncode:
+      raise RuntimeError(f"ptxas failed on {ptx}:\n" + "\n".join(notes))
     sass = subprocess.run(
       [cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True
     ).stdout
     ptx.with_suffix(".sass").write_text(sass)
-    counts.append(count_sass(ptx.stem, sass))
+    counts.append(dataclasses.replace(count_sass(ptx.stem, sass), ptxas_notes=notes))
   return counts
 
 
@@ -463,6 +469,8 @@ def main(argv=None) -> None:
         f"{counts.wgmmas} HGMMA, {counts.tma_loads} TMA loads, "
         f"{counts.local_memory} local-memory accesses"
       )
+      for note in counts.ptxas_notes:
+        print(f"    {note}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The offline H200 compile's report parsers (the compile itself needs the CUDA plugin)."""
 
 import argparse
+import os
 import pathlib
 
 import jax
@@ -17,6 +18,7 @@ from benchmarks.compile_for_h200 import (
   index_call,
   parse_entry_kernels,
   parse_ptxas,
+  sass_counts,
   with_fields,
 )
 from jaxspec.kernels.decode_attention.mosaic_gpu import TuningConfig
@@ -169,3 +171,28 @@ def test_find_cuda_tool_takes_path_then_cuda_home(tmp_path, monkeypatch):
   assert find_cuda_tool("ptxas") == str(tool)
   with pytest.raises(FileNotFoundError, match="no_such_tool not found"):
     find_cuda_tool("no_such_tool")
+
+
+def _fake_tool(directory, name, script):
+  tool = directory / name
+  tool.write_text("#!/bin/sh\n" + script)
+  tool.chmod(0o755)
+
+
+def test_sass_counts_keeps_the_sass_and_ptxas_notes_and_reports_a_failure(tmp_path, monkeypatch):
+  bin_dir, ptx_dir = tmp_path / "bin", tmp_path / "ptx"
+  bin_dir.mkdir()
+  ptx_dir.mkdir()
+  (ptx_dir / "kernel_0.ptx").write_text("// ptx\n")
+  # ptxas -arch=sm_90a -o CUBIN PTX; cuobjdump -sass CUBIN
+  _fake_tool(bin_dir, "ptxas", 'echo "ptxas info    : (C7519) note" >&2; touch "$3"\n')
+  _fake_tool(bin_dir, "cuobjdump", f"cat <<'END'\n{SASS}END\n")
+  monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # the fakes first
+  (counts,) = sass_counts(ptx_dir)
+  assert counts == SassCounts("kernel_0", 9, 1, 1, 2, 2, ("ptxas info    : (C7519) note",))
+  assert (ptx_dir / "kernel_0.sass").read_text() == SASS
+  _fake_tool(bin_dir, "ptxas", 'echo "ptxas fatal   : bad ptx" >&2; exit 1\n')
+  with pytest.raises(
+    RuntimeError, match="ptxas failed on .*kernel_0.ptx:\nptxas fatal   : bad ptx"
+  ):
+    sass_counts(ptx_dir)
