@@ -429,10 +429,10 @@ def main(argv=None) -> None:
       help="assemble the PTX (ptxas, cuobjdump) and count the SASS; needs --ptx-dir",
     )
   args = parser.parse_args(argv)
-  if args.sass and args.ptx_dir is None:
-    parser.error("--sass needs --ptx-dir, where the PTX and the SASS are written")
-  if args.sass:
-    try:  # before the compile, which can take minutes
+  if args.sass:  # checked before the compile, which can take minutes
+    if args.ptx_dir is None:
+      parser.error("--sass needs --ptx-dir, where the PTX and the SASS are written")
+    try:
       find_cuda_tool("ptxas"), find_cuda_tool("cuobjdump")
     except FileNotFoundError as error:
       parser.error(str(error))
