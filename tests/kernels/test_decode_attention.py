@@ -530,6 +530,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("fp8_staging_overlap", "no"),
     ("deferred_sum", 0),
     ("page_ids_ahead", 1),
+    ("producer_warpgroup", 1),
   ],
 )
 def test_tuning_config_is_validated(field, value):
