@@ -797,8 +797,18 @@ def paged_decode_attention_mosaic_gpu(
             to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
           return acc_ref[...]
 
+        # Scores, rows along row_axis; the base-2 logits are qk * qk_scale. With 16-bit pages
+        # qk_scale is sm_scale * log2(e), static and positive, so a row's largest score is its
+        # largest logit and the scale goes inside the exponent's fused multiply-add,
+        # qk * qk_scale - m, instead of a multiply of every score first. With fp8 pages it holds
+        # k_scale, a device value whose sign the contract checks only outside jit: scaled first.
         qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
-        qk = qk * qk_scale  # base-2 logits, rows along row_axis
+        if fp8:
+          qk = qk * qk_scale
+
+        def logits(scores):
+          return scores if fp8 else scores * qk_scale
+
         if masked:
           # packed row r = j * G + g
           rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, row_axis, layout=plgpu.Layout.WGMMA)
@@ -807,11 +817,11 @@ def paged_decode_attention_mosaic_gpu(
           visible = (cols + (block * block_kv - seq_len + q_len)) * group <= rows + row_base
           visible = visible & attendable(cols, block, pages_in_pool)
           qk = jnp.where(visible, qk, -jnp.inf)
-        m_new = jnp.maximum(m_i, qk.max(axis=pos_axis))
+        m_new = jnp.maximum(m_i, logits(qk.max(axis=pos_axis)))
         # A row that has seen nothing yet has max -inf: shift by 0 to avoid inf - inf.
         m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp2(m_i - m_shift)
-        p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
+        p = jnp.exp2(logits(qk) - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
         if deferred_sum:  # no reduction across warps (transposed) or lanes (row tiles) in the step
           l_i = l_i * lax.broadcast_in_dim(alpha, qk.shape, [row_axis]) + p
         else:
