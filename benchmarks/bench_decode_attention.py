@@ -906,6 +906,38 @@ def page_ids_ahead_check(rng, out_dir, smoke=False):
     )
 
 
+def producer_check(rng, out_dir, smoke=False):
+  """The 128-row tile with a producer warpgroup issuing the ring's copies
+  (``TuningConfig.producer_warpgroup``, variant) against the tile as ``default_config`` runs it
+  (warpgroup 0 issues them), at G 12 q_len 6 and 7, where more than 64 rows take that tile."""
+  b64, b8 = [32768] * 64, [32768] * 8
+  shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
+    ("B64 L32k", b64, (6, 7), GLM_GROUP, HEAD_DIM, False),
+    ("B8 L32k", b8, (6, 7), GLM_GROUP, HEAD_DIM, False),
+    (
+      "B64 ragged 1k..32k",
+      rng.integers(1024, 32768 + 1, size=64),
+      (7,),
+      GLM_GROUP,
+      HEAD_DIM,
+      False,
+    ),
+    ("B64 L32k", b64, (7,), GLM_GROUP, 64, False),
+  ]
+  if smoke:
+    shapes = [("B2 L200", [200, 77], (6,), GLM_GROUP, HEAD_DIM, False)]
+  config_check(
+    rng,
+    out_dir,
+    "decode_attention_producer_warpgroup",
+    "128-row tile: a producer warpgroup issues the copies (variant) against warpgroup 0",
+    lambda config: dataclasses.replace(config, producer_warpgroup=True),
+    shapes,
+    smoke,
+    base={"two_warpgroup_tiles": True, "page_ids_ahead": True},
+  )
+
+
 def d64_stage_sweep(rng, out_dir, smoke=False):
   """The ring depth of transposed tiles at D 64 on 16-bit pages (q_len 1, with the denominators
   summed once, as ``default_config`` runs them): 2, 3, 6 and 8 stages against 4. Writes
@@ -1118,6 +1150,11 @@ def main():
     action="store_true",
     help="only: page ids read where used or a step ahead (decode_attention_page_ids_ahead/)",
   )
+  parser.add_argument(
+    "--producer-check",
+    action="store_true",
+    help="only: the 128-row tile with a producer warpgroup (decode_attention_producer_warpgroup.*)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
@@ -1148,6 +1185,7 @@ def main():
     "fp8_overlap_check": fp8_overlap_check,
     "deferred_sum_check": deferred_sum_check,
     "page_ids_ahead_check": page_ids_ahead_check,
+    "producer_check": producer_check,
   }
   for flag, check in checks.items():
     if getattr(args, flag):

@@ -80,6 +80,32 @@ TWO_WARPGROUP_CASES = [
   ]
 ]
 
+# The 128-row tile with a producer warpgroup issuing the ring's copies
+# (TuningConfig.producer_warpgroup): one stage (every step after the first waits for both
+# consumers to release the slot before its refill), 2 and 3 stages, chunks, a request with no
+# blocks and rows that see nothing, 128-position blocks, page ids carried a step ahead, and the
+# balanced plan's spare items (no steps: the producer issues nothing).
+PRODUCER_CASES = [
+  KernelCase(*shape, dataclasses.replace(cfg, two_warpgroup_tiles=True, producer_warpgroup=True))
+  for *shape, cfg in [
+    ((200, 4, 0, 65), 6, 1, 12, 64, 16, BF16, TuningConfig(num_stages=1, num_chunks=2)),
+    ((129, 6, 1), 7, 1, 12, 128, 32, F16, TuningConfig(num_stages=2, num_chunks=1)),
+    ((250, 3, 64), 5, 1, 16, 128, 16, BF16, TuningConfig(num_stages=3, num_chunks=3)),
+    ((190, 7, 0), 8, 2, 16, 64, 64, BF16, TuningConfig(block_kv=128, num_stages=2)),
+    ((330, 4, 0, 65), 6, 1, 12, 64, 16, BF16, TuningConfig(num_stages=1, page_ids_ahead=True)),
+    (
+      (260, 64, 2),
+      6,
+      1,
+      12,
+      64,
+      16,
+      BF16,
+      TuningConfig(num_stages=2, num_chunks=3, balance_waves=1, num_sms=1),
+    ),
+  ]
+]
+
 # One chunk length for the whole batch (TuningConfig.balance_waves). The plan aims at
 # `balance_waves x slots` items per (KV head, row tile); with 1 SM in place of 132 the tiny
 # batches below already exceed that, so the common length decides: long requests get several
@@ -332,6 +358,7 @@ MERGE_KERNEL_CASES = [
   **case_params(
     KERNEL_CASES
     + TWO_WARPGROUP_CASES
+    + PRODUCER_CASES
     + BALANCED_CASES
     + FP8_CASES
     + FP8_OVERLAP_CASES
@@ -503,6 +530,7 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     ("fp8_staging_overlap", "no"),
     ("deferred_sum", 0),
     ("page_ids_ahead", 1),
+    ("producer_warpgroup", 1),
   ],
 )
 def test_tuning_config_is_validated(field, value):
@@ -1072,6 +1100,15 @@ LOWERING_CASES = [
     BF16,
     TuningConfig(two_warpgroup_tiles=True, num_stages=2),
   ),
+  (
+    "bf16 G12 q7 two warpgroups and a producer",
+    (2, 7, 24, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    BF16,
+    TuningConfig(two_warpgroup_tiles=True, producer_warpgroup=True, page_ids_ahead=True),
+  ),
   _g8_d128(
     "fp8 G8 q3 staging overlapped", 3, FP8, TuningConfig(fp8_staging_overlap=True, num_stages=2)
   ),
@@ -1234,15 +1271,19 @@ def test_kernel_gpu_coverage(q_len, group, head_dim, page_size, dtype, fp8, tran
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("producer", [False, True], ids=["warpgroup-0-copies", "producer"])
 @pytest.mark.parametrize(
   "q_len, group, head_dim", [(6, 12, 128), (7, 12, 64), (8, 12, 128), (5, 16, 64), (8, 16, 128)]
 )
-def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim):
-  """Ragged random lengths (1 to ~3000, edge lengths included) with the heuristic defaults."""
+def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim, producer):
+  """Ragged random lengths (1 to ~3000, edge lengths included) with the heuristic defaults,
+  with and without the producer warpgroup."""
   rng = np.random.default_rng(q_len * 100 + group + head_dim)
   seq_lens = [0, 1, q_len - 1, 16, 17, *rng.integers(200, 3000, size=3)]
   inputs = make_inputs(rng, seq_lens, q_len, 2, group, head_dim, 16, BF16)
-  config = dataclasses.replace(default_config(head_dim, 16), two_warpgroup_tiles=True)
+  config = dataclasses.replace(
+    default_config(head_dim, 16), two_warpgroup_tiles=True, producer_warpgroup=producer
+  )
   check(paged_decode_attention(*inputs.arrays, impl="pallas", config=config), inputs)
 
 

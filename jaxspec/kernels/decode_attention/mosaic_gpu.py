@@ -46,6 +46,16 @@ waiter, as GPU interpret mode checks. Its race detector does not track the
 shared-memory reads of ``wgmma`` yet, so a missing ``consumed`` wait would only
 show on the GPU.
 
+Producer warpgroup (``TuningConfig.producer_warpgroup``, jax's ``attention_mgpu.py`` has one):
+a third warpgroup issues every TMA copy of the 128-row tile's ring, block ``i`` into slot
+``i mod num_stages`` once both consumer warpgroups have arrived at that slot's ``consumed``
+barrier after their ``P V`` of block ``i - num_stages``; the consumers only wait for their
+blocks. Without it warpgroup 0 issues the copies at the end of its step, after waiting for
+warpgroup 1's ``P V``, so the two consumers advance in step with each other. The producer
+lowers its registers to ``PRODUCER_REGISTERS`` and the consumers raise theirs to
+``CONSUMER_REGISTERS`` (``setmaxnreg``): the tile already holds one work item per SM at 255
+registers, so the third warpgroup costs no occupancy.
+
 Transposed scores (``TuningConfig.transposed_scores``, FlashAttention-3's
 backward pass computes ``S^T = K Q^T`` the same way): with the packed rows as
 the wgmma N dimension (a multiple of 8, up to 128) and the KV positions as M,
@@ -125,6 +135,10 @@ from jax import lax
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
 
 ROWS_PER_TILE = 64  # wgmma M tile of one warpgroup
+# TuningConfig.producer_warpgroup: registers per thread after setmaxnreg, as jax's
+# attention_mgpu.py sets them; 128 x (40 + 2 x 232) = 64512 of the SM's 65536.
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
 # Transposed scores: the rows are the wgmma N dimension, a multiple of 8, here at most 128 (the
 # accumulators of S^T [block_kv, N] and O^T [D, N] stay in one warpgroup's registers).
 TRANSPOSED_ROW_ALIGN = 8
@@ -246,6 +260,12 @@ class TuningConfig:
       0.93-0.97x at B8 L32k, fp8 pages in registers 0.85x (5 more registers per thread, 168 ->
       173, leave two items per SM where three fit;
       ``benchmarks/results/decode_attention_page_ids_ahead/``).
+    producer_warpgroup: 128-row tiles (``two_warpgroup_tiles``) get a third warpgroup that
+      issues every TMA copy of the ring, as jax's ``attention_mgpu.py`` has (module docstring,
+      "Producer warpgroup"): the consumer warpgroups then only wait for their blocks and
+      release each slot after their ``P V``, and neither waits on the other to refill.
+      Registers are rebalanced with ``setmaxnreg``: ``PRODUCER_REGISTERS`` for the producer,
+      ``CONSUMER_REGISTERS`` for the consumers. Off by default (not yet measured).
   """
 
   block_kv: int = 64
@@ -262,6 +282,7 @@ class TuningConfig:
   fp8_staging_overlap: bool = False
   deferred_sum: bool = False
   page_ids_ahead: bool = False
+  producer_warpgroup: bool = False
 
   def __post_init__(self):
     # Positive ints (num_chunks and balance_waves may be None): bools and floats are refused.
@@ -279,6 +300,7 @@ class TuningConfig:
       "fp8_staging_overlap",
       "deferred_sum",
       "page_ids_ahead",
+      "producer_warpgroup",
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -562,6 +584,8 @@ def paged_decode_attention_mosaic_gpu(
   deferred_sum = config.deferred_sum
   # Each step carries the page ids of the next step's block and refill, read a step early.
   page_ids_ahead = config.page_ids_ahead
+  # A third warpgroup issues the ring's copies for the two consumer warpgroups.
+  producer = config.producer_warpgroup and warpgroups > 1
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -649,12 +673,6 @@ def paged_decode_attention_mosaic_gpu(
     has_work = num_steps > 0
     stores_tile = has_work | (chunk == 0)
 
-    @pl.when(has_work)
-    def _load_q():
-      plgpu.copy_gmem_to_smem(
-        q_ref.at[request, kv_head, pl.ds(row_base, tile_rows)], qo_smem, q_barrier
-      )
-
     def page_ids(block):
       """The block's page ids from the table (entries past the table: its last entry)."""
       return [
@@ -684,239 +702,288 @@ def paged_decode_attention_mosaic_gpu(
         pl.when(readable)(functools.partial(copy_page, page, slot, rows))
         pl.when(jnp.logical_not(readable))(functools.partial(skip_page, slot))
 
-    for s in range(num_stages):
-      when_issuer(s < num_steps)(functools.partial(fetch, start + s, s))
+    def produce():
+      """The producer warpgroup: every block of the item into the ring, each slot refilled once
+      both consumers have released it (they arrive at its ``consumed`` barrier after ``P V``)."""
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-    def attendable(positions, block, pages_in_pool):
-      """Positions (within the block) inside the length, on pages whose id is in the pool."""
-      ok = positions + block * block_kv < kv_len
-      page_of_position = lax.div(positions, page_size)
-      for p, page_ok in enumerate(pages_in_pool):
-        ok = ok & ((page_of_position != p) | page_ok)
-      return ok
+      def refill(i, carry):
+        slot = lax.rem(i, num_stages)
+        pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(consumed_barriers.at[slot]))
+        fetch(start + i, slot)
+        return carry
 
-    def zero_v_rows(slot, block, pages_in_pool):
-      v_block = v_smem.at[slot]
-      positions = plgpu.broadcasted_iota(
-        jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA
-      )
-      values = plgpu.load(v_block, layout=plgpu.Layout.WGMMA)
-      v_block[...] = jnp.where(attendable(positions, block, pages_in_pool), values, 0)
-      plgpu.commit_smem()  # make the stores visible to the tensor cores
+      lax.fori_loop(0, num_steps, refill, None)
 
-    def to_staging(src, dst, keep=None):
-      """fp8 block -> registers -> float16 (exact, one cvt per pair) -> a staging block."""
-      values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
-      if keep is not None:
-        values = jnp.where(keep, values, 0)
-      dst[...] = values
+    if not producer:  # the ring's first blocks (the producer issues them as its first steps)
+      for s in range(num_stages):
+        when_issuer(s < num_steps)(functools.partial(fetch, start + s, s))
 
-    def v_keep(masked, block, pages_in_pool):
-      """Where a masked step keeps V (rows the mask removed may hold stale or NaN data, and
-      0 * NaN = NaN in P V), else None."""
-      if not masked:
-        return None
-      positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
-      return attendable(positions, block, pages_in_pool)
+    def consume():
+      """A consumer warpgroup (the only one without a producer): its rows of the tile."""
+      if producer:
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
-    def stage_k(i):
-      """Overlapped staging: block ``start + i``'s K into ``staging_k`` (its copy waited)."""
-      slot = lax.rem(i, num_stages)
-      plgpu.barrier_wait(k_barriers.at[slot])
-      to_staging(k_smem.at[slot], staging_k)
-      plgpu.commit_smem()
+      @pl.when(has_work)
+      def _load_q():
+        plgpu.copy_gmem_to_smem(
+          q_ref.at[request, kv_head, pl.ds(row_base, tile_rows)], qo_smem, q_barrier
+        )
 
-    def block_step(i, carry, *, masked, pages_in_pool, refill_pages):
-      acc, m_i, l_i = carry
-      block = start + i
-      slot = lax.rem(i, num_stages)
-      refill = i + num_stages
-      if not overlapped:  # (overlapped: the step before, or the prologue, waited and staged K)
+      def attendable(positions, block, pages_in_pool):
+        """Positions (within the block) inside the length, on pages whose id is in the pool."""
+        ok = positions + block * block_kv < kv_len
+        page_of_position = lax.div(positions, page_size)
+        for p, page_ok in enumerate(pages_in_pool):
+          ok = ok & ((page_of_position != p) | page_ok)
+        return ok
+
+      def zero_v_rows(slot, block, pages_in_pool):
+        v_block = v_smem.at[slot]
+        positions = plgpu.broadcasted_iota(
+          jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA
+        )
+        values = plgpu.load(v_block, layout=plgpu.Layout.WGMMA)
+        v_block[...] = jnp.where(attendable(positions, block, pages_in_pool), values, 0)
+        plgpu.commit_smem()  # make the stores visible to the tensor cores
+
+      def to_staging(src, dst, keep=None):
+        """fp8 block -> registers -> float16 (exact, one cvt per pair) -> a staging block."""
+        values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
+        if keep is not None:
+          values = jnp.where(keep, values, 0)
+        dst[...] = values
+
+      def v_keep(masked, block, pages_in_pool):
+        """Where a masked step keeps V (rows the mask removed may hold stale or NaN data, and
+        0 * NaN = NaN in P V), else None."""
+        if not masked:
+          return None
+        positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
+        return attendable(positions, block, pages_in_pool)
+
+      def stage_k(i):
+        """Overlapped staging: block ``start + i``'s K into ``staging_k`` (its copy waited)."""
+        slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(k_barriers.at[slot])
-      if fp8_in_registers:
-        k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
-        v_block = None  # converted once Q K^T is complete, below
-      elif staged:  # one block unless overlapped: V is converted once Q K^T is complete
-        if not overlapped:
-          to_staging(k_smem.at[slot], staging_k)
-          plgpu.commit_smem()
-        k_block, v_block = staging_k, staging_v
-      else:
-        k_block, v_block = k_smem.at[slot], v_smem.at[slot]
-
-      def compute_qk(acc_ref):
-        if transposed:  # S^T = K Q^T
-          plgpu.wgmma(acc_ref, k_block, qo_smem.transpose((1, 0)))
-        else:  # S = Q K^T
-          plgpu.wgmma(acc_ref, q_tile, k_block.transpose((1, 0)))
-        if overlapped:  # V while Q K^T runs (the previous P V, its reader, is complete)
-          plgpu.barrier_wait(v_barriers.at[slot])
-          to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
-        return acc_ref[...]
-
-      qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
-      qk = qk * qk_scale  # base-2 logits, rows along row_axis
-      if masked:
-        # packed row r = j * G + g
-        rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, row_axis, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, pos_axis, layout=plgpu.Layout.WGMMA)
-        # pos < S - q_len + 1 + j  <=>  (pos - S + q_len) * G <= r  (no division).
-        visible = (cols + (block * block_kv - seq_len + q_len)) * group <= rows + row_base
-        visible = visible & attendable(cols, block, pages_in_pool)
-        qk = jnp.where(visible, qk, -jnp.inf)
-      m_new = jnp.maximum(m_i, qk.max(axis=pos_axis))
-      # A row that has seen nothing yet has max -inf: shift by 0 to avoid inf - inf.
-      m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_shift)
-      p = jnp.exp2(qk - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
-      if deferred_sum:  # no reduction across warps (transposed) or lanes (row tiles) in the step
-        l_i = l_i * lax.broadcast_in_dim(alpha, qk.shape, [row_axis]) + p
-      else:
-        l_i = l_i * alpha + p.sum(axis=pos_axis)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
-      if not overlapped:  # (overlapped: V was waited for and staged during Q K^T)
-        plgpu.barrier_wait(v_barriers.at[slot])
-      if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
-        v_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
-        v_t = plgpu.layout_cast(v_t.astype(jnp.float16), plgpu.Layout.WGMMA)
-        if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
-          positions = plgpu.broadcasted_iota(
-            jnp.int32, (head_dim, block_kv), 1, layout=plgpu.Layout.WGMMA
-          )
-          v_t = jnp.where(attendable(positions, block, pages_in_pool), v_t, 0)
-      elif staged and not overlapped:  # reading qk waited for Q K^T, the staging block's reader
-        to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
-      elif masked and not fp8:
-        needs_zeroing = ((block + 1) * block_kv > kv_len) | jnp.logical_not(_all(pages_in_pool))
-
-        @pl.when(needs_zeroing)
-        def _zero_rows():
-          if warpgroups == 1:
-            zero_v_rows(slot, block, pages_in_pool)
-            return
-
-          @pl.when(wg == 0)
-          def _zero_and_signal():
-            zero_v_rows(slot, block, pages_in_pool)
-            plgpu.barrier_arrive(v_zeroed_barrier)
-
-          @pl.when(wg != 0)
-          def _await_zeroed():
-            plgpu.barrier_wait(v_zeroed_barrier)
-
-      # P is the A operand of O = P V, from registers; transposed, P^T is the B operand, stored
-      # as P [N, block_kv] (K-major, the 128-byte swizzle of the A operand V^T). The GPU
-      # interpreter only models shared-memory operands, so there P goes through p_smem too.
-      if transposed:
-        p_smem.transpose((1, 0))[...] = p.astype(compute_dtype)
-        p_operand = p_smem.transpose((1, 0))
-      elif operands_in_registers:
-        p_operand = p.astype(compute_dtype)
-      else:
-        p_smem[...] = p.astype(compute_dtype)
-        p_operand = p_smem
-      if fp8 or p_smem is not None:
-        # Makes P and the staged V visible to the tensor cores, and orders this step's reads of
-        # the slot before its refill.
+        to_staging(k_smem.at[slot], staging_k)
         plgpu.commit_smem()
-      if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
-        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
 
-      def compute_pv(pv_ref):
-        if transposed:  # O^T = V^T P^T
-          v_operand = v_t if fp8_in_registers else v_block.transpose((1, 0))
-          plgpu.wgmma(pv_ref, v_operand, p_operand)
-        else:  # O = P V
-          plgpu.wgmma(pv_ref, p_operand, v_block)
-        if overlapped:  # the next K while P V runs (this step's Q K^T, its reader, is complete)
-          pl.when(i + 1 < num_steps)(functools.partial(stage_k, i + 1))
+      def block_step(i, carry, *, masked, pages_in_pool, refill_pages):
+        acc, m_i, l_i = carry
+        block = start + i
+        slot = lax.rem(i, num_stages)
+        refill = i + num_stages
+        if not overlapped:  # (overlapped: the step before, or the prologue, waited and staged K)
+          plgpu.barrier_wait(k_barriers.at[slot])
+        if fp8_in_registers:
+          k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+          v_block = None  # converted once Q K^T is complete, below
+        elif staged:  # one block unless overlapped: V is converted once Q K^T is complete
+          if not overlapped:
+            to_staging(k_smem.at[slot], staging_k)
+            plgpu.commit_smem()
+          k_block, v_block = staging_k, staging_v
+        else:
+          k_block, v_block = k_smem.at[slot], v_smem.at[slot]
 
-      if not operands_in_registers:  # into a fresh accumulator (the only form interpret runs)
+        def compute_qk(acc_ref):
+          if transposed:  # S^T = K Q^T
+            plgpu.wgmma(acc_ref, k_block, qo_smem.transpose((1, 0)))
+          else:  # S = Q K^T
+            plgpu.wgmma(acc_ref, q_tile, k_block.transpose((1, 0)))
+          if overlapped:  # V while Q K^T runs (the previous P V, its reader, is complete)
+            plgpu.barrier_wait(v_barriers.at[slot])
+            to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
+          return acc_ref[...]
 
-        def fresh_pv(pv_ref):
-          compute_pv(pv_ref)
-          return pv_ref[...]
+        # Scores, rows along row_axis; the base-2 logits are qk * qk_scale. With 16-bit pages
+        # qk_scale is sm_scale * log2(e), static and positive, so a row's largest score is its
+        # largest logit and the scale goes inside the exponent's fused multiply-add,
+        # qk * qk_scale - m, instead of a multiply of every score first. With fp8 pages it holds
+        # k_scale, a device value whose sign the contract checks only outside jit: scaled first.
+        qk = pl.run_scoped(compute_qk, plgpu.ACC(scores_shape, jnp.float32))
+        if fp8:
+          qk = qk * qk_scale
 
-        acc = acc + pl.run_scoped(fresh_pv, plgpu.ACC(acc_shape, jnp.float32))
-      else:  # onto the rescaled output, as jax's attention_mgpu.py does: no second accumulator
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-      if fp8:
-        pass  # refilled above
-      elif warpgroups == 1:
-        # Both wgmmas on this slot are complete: refill it.
-        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
+        def logits(scores):
+          return scores if fp8 else scores * qk_scale
+
+        if masked:
+          # packed row r = j * G + g
+          rows = plgpu.broadcasted_iota(jnp.int32, qk.shape, row_axis, layout=plgpu.Layout.WGMMA)
+          cols = plgpu.broadcasted_iota(jnp.int32, qk.shape, pos_axis, layout=plgpu.Layout.WGMMA)
+          # pos < S - q_len + 1 + j  <=>  (pos - S + q_len) * G <= r  (no division).
+          visible = (cols + (block * block_kv - seq_len + q_len)) * group <= rows + row_base
+          visible = visible & attendable(cols, block, pages_in_pool)
+          qk = jnp.where(visible, qk, -jnp.inf)
+        m_new = jnp.maximum(m_i, logits(qk.max(axis=pos_axis)))
+        # A row that has seen nothing yet has max -inf: shift by 0 to avoid inf - inf.
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_shift)
+        p = jnp.exp2(logits(qk) - lax.broadcast_in_dim(m_shift, qk.shape, [row_axis]))
+        if deferred_sum:  # no reduction across warps (transposed) or lanes (row tiles) in the step
+          l_i = l_i * lax.broadcast_in_dim(alpha, qk.shape, [row_axis]) + p
+        else:
+          l_i = l_i * alpha + p.sum(axis=pos_axis)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
+        if not overlapped:  # (overlapped: V was waited for and staged during Q K^T)
+          plgpu.barrier_wait(v_barriers.at[slot])
+        if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
+          v_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
+          v_t = plgpu.layout_cast(v_t.astype(jnp.float16), plgpu.Layout.WGMMA)
+          if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
+            positions = plgpu.broadcasted_iota(
+              jnp.int32, (head_dim, block_kv), 1, layout=plgpu.Layout.WGMMA
+            )
+            v_t = jnp.where(attendable(positions, block, pages_in_pool), v_t, 0)
+        elif staged and not overlapped:  # reading qk waited for Q K^T, the staging block's reader
+          to_staging(v_smem.at[slot], staging_v, v_keep(masked, block, pages_in_pool))
+        elif masked and not fp8:
+          needs_zeroing = ((block + 1) * block_kv > kv_len) | jnp.logical_not(_all(pages_in_pool))
+
+          @pl.when(needs_zeroing)
+          def _zero_rows():
+            if warpgroups == 1:
+              zero_v_rows(slot, block, pages_in_pool)
+              return
+
+            @pl.when(wg == 0)
+            def _zero_and_signal():
+              zero_v_rows(slot, block, pages_in_pool)
+              plgpu.barrier_arrive(v_zeroed_barrier)
+
+            @pl.when(wg != 0)
+            def _await_zeroed():
+              plgpu.barrier_wait(v_zeroed_barrier)
+
+        # P is the A operand of O = P V, from registers; transposed, P^T is the B operand, stored
+        # as P [N, block_kv] (K-major, the 128-byte swizzle of the A operand V^T). The GPU
+        # interpreter only models shared-memory operands, so there P goes through p_smem too.
+        if transposed:
+          p_smem.transpose((1, 0))[...] = p.astype(compute_dtype)
+          p_operand = p_smem.transpose((1, 0))
+        elif operands_in_registers:
+          p_operand = p.astype(compute_dtype)
+        else:
+          p_smem[...] = p.astype(compute_dtype)
+          p_operand = p_smem
+        if fp8 or p_smem is not None:
+          # Makes P and the staged V visible to the tensor cores, and orders this step's reads of
+          # the slot before its refill.
+          plgpu.commit_smem()
+        if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
+          pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
+
+        def compute_pv(pv_ref):
+          if transposed:  # O^T = V^T P^T
+            v_operand = v_t if fp8_in_registers else v_block.transpose((1, 0))
+            plgpu.wgmma(pv_ref, v_operand, p_operand)
+          else:  # O = P V
+            plgpu.wgmma(pv_ref, p_operand, v_block)
+          if overlapped:  # the next K while P V runs (this step's Q K^T, its reader, is complete)
+            pl.when(i + 1 < num_steps)(functools.partial(stage_k, i + 1))
+
+        if not operands_in_registers:  # into a fresh accumulator (the only form interpret runs)
+
+          def fresh_pv(pv_ref):
+            compute_pv(pv_ref)
+            return pv_ref[...]
+
+          acc = acc + pl.run_scoped(fresh_pv, plgpu.ACC(acc_shape, jnp.float32))
+        else:  # onto the rescaled output, as jax's attention_mgpu.py does: no second accumulator
+          acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        if fp8:
+          pass  # refilled above
+        elif producer:  # both consumers release the slot; the producer refills it
+          pl.when(refill < num_steps)(lambda: plgpu.barrier_arrive(consumed_barriers.at[slot]))
+        elif warpgroups == 1:
+          # Both wgmmas on this slot are complete: refill it.
+          pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
+        else:
+
+          @pl.when((refill < num_steps) & (wg != 0))
+          def _release_slot():
+            plgpu.barrier_arrive(consumed_barriers.at[slot])
+
+          @when_issuer(refill < num_steps)
+          def _refill_slot():
+            plgpu.barrier_wait(consumed_barriers.at[slot])  # warpgroup 1 is done with it too
+            fetch(start + refill, slot, refill_pages)
+
+        return acc, m_new, l_i
+
+      def ids_ahead(block):
+        """The page ids a step carries: its block's and (without a producer) its refill's."""
+        return page_ids(block), [] if producer else page_ids(block + num_stages)
+
+      def step(i, carry):
+        # With page_ids_ahead the page ids of this block and of the block this step refills were
+        # read one step earlier and arrive in the carry (TuningConfig.page_ids_ahead).
+        carry, ahead = carry
+        block = start + i
+        if page_ids_ahead:
+          pages, refill_pages = ahead
+          ahead = ids_ahead(block + 1)
+        else:
+          pages, refill_pages = page_ids(block), None
+        # Blocks below the first row's limit whose pages all lie in the pool (always, inside
+        # the contract) skip the mask; the rest (the last blocks, out-of-pool pages) apply it.
+        pages_in_pool = [in_pool(page) for page in pages]
+        needs_mask = (block >= unmasked_end) | jnp.logical_not(_all(pages_in_pool))
+        step_of = functools.partial(
+          block_step, pages_in_pool=pages_in_pool, refill_pages=refill_pages
+        )
+        carry = lax.cond(
+          needs_mask,
+          functools.partial(step_of, masked=True),
+          functools.partial(step_of, masked=False),
+          i,
+          carry,
+        )
+        return carry, ahead
+
+      row_layout = plgpu.Layout.WGMMA.reduce(pos_axis)
+      m_i = plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout)
+      if deferred_sum:
+        l_i = plgpu.layout_cast(jnp.full(scores_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
       else:
+        l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+      pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
+      # Row tiles take Q as the A operand of S = Q K^T from registers, loaded once per work item
+      # (an item without work loads stale values it never uses).
+      q_tile = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA) if operands_in_registers else qo_smem
+      if overlapped:  # the first K; every later one is staged during the step before
+        pl.when(num_steps > 0)(functools.partial(stage_k, 0))
+      ahead = ids_ahead(start) if page_ids_ahead else ()
+      (acc, m_i, l_i), _ = lax.fori_loop(0, num_steps, step, ((acc, m_i, l_i), ahead))
+      if deferred_sum:
+        l_i = l_i.sum(axis=pos_axis)
 
-        @pl.when((refill < num_steps) & (wg != 0))
-        def _release_slot():
-          plgpu.barrier_arrive(consumed_barriers.at[slot])
-
-        @when_issuer(refill < num_steps)
-        def _refill_slot():
-          plgpu.barrier_wait(consumed_barriers.at[slot])  # warpgroup 1 is done with it too
-          fetch(start + refill, slot, refill_pages)
-
-      return acc, m_new, l_i
-
-    def step(i, carry):
-      # With page_ids_ahead the page ids of this block and of the block this step refills were
-      # read one step earlier and arrive in the carry (TuningConfig.page_ids_ahead).
-      carry, ahead = carry
-      block = start + i
-      if page_ids_ahead:
-        pages, refill_pages = ahead
-        ahead = (page_ids(block + 1), page_ids(block + 1 + num_stages))
+      # Rows that saw nothing have l = 0 and acc = 0. NaN in a row's visible K/V makes l NaN:
+      # it must reach the output as on the XLA path, not pass for "saw nothing".
+      seen = l_i != 0.0
+      inv_l = 1.0 / jnp.where(seen, l_i, 1.0)
+      acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [row_axis])
+      if transposed:
+        qo_smem.transpose((1, 0))[...] = acc.astype(compute_dtype)
       else:
-        pages, refill_pages = page_ids(block), None
-      # Blocks below the first row's limit whose pages all lie in the pool (always, inside
-      # the contract) skip the mask; the rest (the last blocks, out-of-pool pages) apply it.
-      pages_in_pool = [in_pool(page) for page in pages]
-      needs_mask = (block >= unmasked_end) | jnp.logical_not(_all(pages_in_pool))
-      step_of = functools.partial(
-        block_step, pages_in_pool=pages_in_pool, refill_pages=refill_pages
+        qo_smem[...] = acc.astype(compute_dtype)
+      lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+      plgpu.commit_smem()
+      tile = pl.ds(row_base, tile_rows)
+      pl.when(stores_tile)(
+        lambda: plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[item, kv_head, tile])
       )
-      carry = lax.cond(
-        needs_mask,
-        functools.partial(step_of, masked=True),
-        functools.partial(step_of, masked=False),
-        i,
-        carry,
-      )
-      return carry, ahead
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[item, kv_head, tile])
+      plgpu.wait_smem_to_gmem(0)
 
-    row_layout = plgpu.Layout.WGMMA.reduce(pos_axis)
-    m_i = plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout)
-    if deferred_sum:
-      l_i = plgpu.layout_cast(jnp.full(scores_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    if producer:
+      pl.when(wg == warpgroups)(produce)
+      pl.when(wg < warpgroups)(consume)
     else:
-      l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
-    acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    pl.when(has_work)(lambda: plgpu.barrier_wait(q_barrier))
-    # Row tiles take Q as the A operand of S = Q K^T from registers, loaded once per work item
-    # (an item without work loads stale values it never uses).
-    q_tile = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA) if operands_in_registers else qo_smem
-    if overlapped:  # the first K; every later one is staged during the step before
-      pl.when(num_steps > 0)(functools.partial(stage_k, 0))
-    ahead = (page_ids(start), page_ids(start + num_stages)) if page_ids_ahead else ()
-    (acc, m_i, l_i), _ = lax.fori_loop(0, num_steps, step, ((acc, m_i, l_i), ahead))
-    if deferred_sum:
-      l_i = l_i.sum(axis=pos_axis)
-
-    # Rows that saw nothing have l = 0 and acc = 0. NaN in a row's visible K/V makes l NaN:
-    # it must reach the output as on the XLA path, not pass for "saw nothing".
-    seen = l_i != 0.0
-    inv_l = 1.0 / jnp.where(seen, l_i, 1.0)
-    acc = acc * lax.broadcast_in_dim(inv_l, acc.shape, [row_axis])
-    if transposed:
-      qo_smem.transpose((1, 0))[...] = acc.astype(compute_dtype)
-    else:
-      qo_smem[...] = acc.astype(compute_dtype)
-    lse_smem[...] = jnp.where(seen, m_i + jnp.log2(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-    plgpu.commit_smem()
-    tile = pl.ds(row_base, tile_rows)
-    pl.when(stores_tile)(lambda: plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[item, kv_head, tile]))
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[item, kv_head, tile])
-    plgpu.wait_smem_to_gmem(0)
+      consume()
 
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   if fp8:  # rows of D bytes: 128-byte swizzle at D 128, 64-byte at D 64
@@ -941,7 +1008,11 @@ def paged_decode_attention_mosaic_gpu(
   for _ in range(2 if overlapped else int(staged)):  # the float16 staging block(s)
     scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
   if warpgroups > 1:  # consumed, v_zeroed
-    scratch += [plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier()]
+    consumed_arrivals = warpgroups if producer else 1  # every consumer, or warpgroup 1
+    scratch += [
+      plgpu.Barrier(num_arrivals=consumed_arrivals, num_barriers=num_stages),
+      plgpu.Barrier(),
+    ]
   num_items = batch * num_chunks
   out_type = (
     jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), compute_dtype),
@@ -954,7 +1025,7 @@ def paged_decode_attention_mosaic_gpu(
     scratch_types=scratch,
     grid=(num_kv_heads, row_tiles, num_items),
     grid_names=("kv_head", "row_tile", "item"),
-    num_threads=warpgroups if warpgroups > 1 else None,
+    num_threads=warpgroups + producer if warpgroups > 1 else None,
     thread_name="wg" if warpgroups > 1 else None,
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
