@@ -908,8 +908,9 @@ def page_ids_ahead_check(rng, out_dir, smoke=False):
 
 def producer_check(rng, out_dir, smoke=False):
   """The 128-row tile with a producer warpgroup issuing the ring's copies
-  (``TuningConfig.producer_warpgroup``, variant) against the tile as ``default_config`` runs it
-  (warpgroup 0 issues them), at G 12 q_len 6 and 7, where more than 64 rows take that tile."""
+  (``TuningConfig.producer_warpgroup``, variant, ``default_config``'s choice since 2026-12-05)
+  against the tile without it (warpgroup 0 issues them), at G 12 q_len 6 and 7, where more than
+  64 rows take that tile."""
   b64, b8 = [32768] * 64, [32768] * 8
   shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
     ("B64 L32k", b64, (6, 7), GLM_GROUP, HEAD_DIM, False),
@@ -934,7 +935,7 @@ def producer_check(rng, out_dir, smoke=False):
     lambda config: dataclasses.replace(config, producer_warpgroup=True),
     shapes,
     smoke,
-    base={"two_warpgroup_tiles": True, "page_ids_ahead": True},
+    base={"two_warpgroup_tiles": True, "page_ids_ahead": True, "producer_warpgroup": False},
   )
 
 

@@ -563,8 +563,10 @@ def test_default_config_takes_one_128_row_tile_beyond_64_rows(
   q_len, group, kv_dtype, two_warpgroups
 ):
   """The measured policy: more than 64 packed rows on 16-bit pages run one 128-row tile of two
-  warpgroups (fp8 pages keep 64-row tiles, which the two-warpgroup tile does not serve)."""
-  assert default_config(128, 16, kv_dtype, q_len * group).two_warpgroup_tiles == two_warpgroups
+  warpgroups, fed by a producer warpgroup (fp8 pages keep 64-row tiles, which the two-warpgroup
+  tile does not serve)."""
+  config = default_config(128, 16, kv_dtype, q_len * group)
+  assert config.two_warpgroup_tiles == config.producer_warpgroup == two_warpgroups
   assert not default_config(128, 16, kv_dtype).two_warpgroup_tiles  # rows unknown
   q = jax.ShapeDtypeStruct((32, q_len, 2 * group, 128), BF16)  # 64 (request, KV head) pairs
   pages = jax.ShapeDtypeStruct((2, 64, 16, 128), kv_dtype)

@@ -265,7 +265,10 @@ class TuningConfig:
       "Producer warpgroup"): the consumer warpgroups then only wait for their blocks and
       release each slot after their ``P V``, and neither waits on the other to refill.
       Registers are rebalanced with ``setmaxnreg``: ``PRODUCER_REGISTERS`` for the producer,
-      ``CONSUMER_REGISTERS`` for the consumers. Off by default (not yet measured).
+      ``CONSUMER_REGISTERS`` for the consumers. ``default_config`` turns it on with
+      ``two_warpgroup_tiles``: H200, B64 L32k, same process, G 12 q_len 7 1.048x at D 128 and
+      1.231x at D 64, q_len 6 1.047x, B8 L32k q_len 7 1.036x
+      (``benchmarks/results/decode_attention_module_ab_2026-12-05.json``).
   """
 
   block_kv: int = 64
@@ -354,7 +357,8 @@ def default_config(
 
   Page ids are read a step ahead (``page_ids_ahead``) on that tile and on transposed tiles of
   16-bit pages at D 128 from ``DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS`` pairs, where it ran
-  1.04-1.12x and 1.00-1.02x faster.
+  1.04-1.12x and 1.00-1.02x faster. The 128-row tile takes a producer warpgroup
+  (``producer_warpgroup``): 1.04-1.05x at G 12 q_len 6 and 7 (B8, B64 L32k, D 128), 1.23x at D 64.
   """
   block_kv = max(64, page_size)
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
@@ -402,6 +406,7 @@ def default_config(
     fp8_staging_overlap=kv_itemsize == 1 and not transposed,
     deferred_sum=transposed and kv_itemsize == 2 and (head_dim == 64 or num_rows > 8),
     page_ids_ahead=two_warpgroup_tiles or wide_transposed_16bit,
+    producer_warpgroup=two_warpgroup_tiles,
   )
 
 
