@@ -926,7 +926,7 @@ def producer_check(rng, out_dir, smoke=False):
     ("B64 L32k", b64, (7,), GLM_GROUP, 64, False),
   ]
   if smoke:
-    shapes = [("B2 L200", [200, 77], (6,), GLM_GROUP, HEAD_DIM, False)]
+    shapes = _glm_many_row_shapes(smoke)
   config_check(
     rng,
     out_dir,

@@ -32,8 +32,8 @@ softmax, flash-decoding split-KV merge):
   are merged afterwards in a fixed order (no atomics), so results do not
   depend on timing.
 
-Two warpgroups (the idea of jax's FlashAttention-3 kernel ``attention_mgpu.py``,
-without its producer warpgroup): warpgroup 0 issues every TMA copy of the
+Two warpgroups (the idea of jax's FlashAttention-3 kernel ``attention_mgpu.py``; its producer
+warpgroup is the option below): warpgroup 0 issues every TMA copy of the
 ring, both warpgroups wait on the same full barriers and run their own
 ``wgmma`` on the shared slot. Before warpgroup 0 refills a slot it waits on
 that slot's ``consumed`` barrier, which warpgroup 1 arrives at once its
