@@ -720,7 +720,7 @@ def paged_decode_attention_mosaic_gpu(
           mine = warp == p % WARPS_PER_WARPGROUP
           inside = (block * pages_per_block + p) * page_size < kv_len
           outside = (block * pages_per_block + p) * page_size >= kv_len
-          pooled = (page >= 0) & (page < num_pages)
+          pooled = in_pool(page)
           unpooled = (page < 0) | (page >= num_pages)
           rows = pl.ds(p * page_size, page_size)
           pl.when(mine & inside & pooled)(functools.partial(copy_page, page, slot, rows))
