@@ -718,10 +718,9 @@ def paged_decode_attention_mosaic_gpu(
           # D 64, 6 work items per SM down to 5), and the three cases are disjoint
           # comparisons: a warp region has no `not`.
           mine = warp == p % WARPS_PER_WARPGROUP
-          inside = (block * pages_per_block + p) * page_size < kv_len
-          outside = (block * pages_per_block + p) * page_size >= kv_len
-          pooled = in_pool(page)
-          unpooled = (page < 0) | (page >= num_pages)
+          first_row = (block * pages_per_block + p) * page_size
+          inside, outside = first_row < kv_len, first_row >= kv_len
+          pooled, unpooled = in_pool(page), (page < 0) | (page >= num_pages)
           rows = pl.ds(p * page_size, page_size)
           pl.when(mine & inside & pooled)(functools.partial(copy_page, page, slot, rows))
           pl.when(mine & outside)(functools.partial(skip_page, slot))
