@@ -135,6 +135,7 @@ from jax import lax
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
 
 ROWS_PER_TILE = 64  # wgmma M tile of one warpgroup
+WARPS_PER_WARPGROUP = 4
 # TuningConfig.producer_warpgroup: registers per thread after setmaxnreg, as jax's
 # attention_mgpu.py sets them; 128 x (40 + 2 x 232) = 64512 of the SM's 65536.
 PRODUCER_REGISTERS = 40
@@ -697,15 +698,35 @@ def paged_decode_attention_mosaic_gpu(
       plgpu.barrier_arrive(v_barriers.at[slot])
 
     def fetch(block, slot, pages=None):
-      """Block ``block``'s pages into ``slot`` (``pages``: their ids, read earlier)."""
-      for p, page in enumerate(page_ids(block) if pages is None else pages):
-        # Only pages inside the length with an id in the pool are read. The slot rows of the
-        # others keep stale data: the mask and the V zeroing below discard them, and a plain
-        # barrier arrival stands in for the copy's.
-        readable = ((block * pages_per_block + p) * page_size < kv_len) & in_pool(page)
-        rows = pl.ds(p * page_size, page_size)
-        pl.when(readable)(functools.partial(copy_page, page, slot, rows))
-        pl.when(jnp.logical_not(readable))(functools.partial(skip_page, slot))
+      """Block ``block``'s pages into ``slot`` (``pages``: their ids, read earlier).
+
+      Page ``p`` is issued by warp ``p % 4`` of the warpgroup, from one lane. Issued by the
+      whole warpgroup instead, each copy would be preceded by a warpgroup barrier (Pallas
+      inserts one before every copy so that no thread still reads the destination); in a warp
+      region the barriers are one on entry and one on exit, whatever the number of pages.
+      """
+      pages = page_ids(block) if pages is None else pages
+
+      @pl.kernel(mesh=plgpu.WarpMesh(axis_name="warp"))
+      def issue_by_warps():
+        warp = lax.axis_index("warp")
+        for p, page in enumerate(pages):
+          # Only pages inside the length with an id in the pool are read. The slot rows of
+          # the others keep stale data: the mask and the V zeroing below discard them, and a
+          # plain barrier arrival stands in for the copy's. The flags are computed here, not
+          # passed in (values live across the region cost registers: 89 instead of 79 at
+          # D 64, 6 work items per SM down to 5), and the three cases are disjoint
+          # comparisons: a warp region has no `not`.
+          mine = warp == p % WARPS_PER_WARPGROUP
+          first_row = (block * pages_per_block + p) * page_size
+          inside, outside = first_row < kv_len, first_row >= kv_len
+          pooled, unpooled = in_pool(page), (page < 0) | (page >= num_pages)
+          rows = pl.ds(p * page_size, page_size)
+          pl.when(mine & inside & pooled)(functools.partial(copy_page, page, slot, rows))
+          pl.when(mine & outside)(functools.partial(skip_page, slot))
+          pl.when(mine & inside & unpooled)(functools.partial(skip_page, slot))
+
+      issue_by_warps()
 
     def produce():
       """The producer warpgroup: every block of the item into the ring, each slot refilled once
