@@ -689,6 +689,9 @@ def paged_decode_attention_mosaic_gpu(
     def in_pool(page):
       return (page >= 0) & (page < num_pages)
 
+    def out_of_pool(page):  # not in_pool(page), for warp regions, which have no `not`
+      return (page < 0) | (page >= num_pages)
+
     def copy_page(page, slot, rows):
       plgpu.copy_gmem_to_smem(k_ref.at[kv_head, page], k_smem.at[slot, rows], k_barriers.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[kv_head, page], v_smem.at[slot, rows], v_barriers.at[slot])
@@ -720,7 +723,7 @@ def paged_decode_attention_mosaic_gpu(
           mine = warp == p % WARPS_PER_WARPGROUP
           first_row = (block * pages_per_block + p) * page_size
           inside, outside = first_row < kv_len, first_row >= kv_len
-          pooled, unpooled = in_pool(page), (page < 0) | (page >= num_pages)
+          pooled, unpooled = in_pool(page), out_of_pool(page)
           rows = pl.ds(p * page_size, page_size)
           pl.when(mine & inside & pooled)(functools.partial(copy_page, page, slot, rows))
           pl.when(mine & outside)(functools.partial(skip_page, slot))
