@@ -433,6 +433,22 @@ def test_route_plans_by_comparing_and_by_counting_agree_with_a_stable_sort(
         np.testing.assert_array_equal(compared, counted, err_msg=field.name)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("padding", [0.0, float("nan")])
+def test_gather_rows_moves_rows_bit_for_bit(dtype, padding):
+  rng = np.random.default_rng(12)
+  num_tokens, top_k, hidden = 6, 3, 64
+  x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
+  route_of_row = rng.integers(-1, num_tokens * top_k, 40).astype(np.int32)
+  route_of_row[:3] = [-1, 0, num_tokens * top_k - 1]
+  xs = mosaic_gpu._gather_rows(x, jnp.asarray(route_of_row), top_k, padding)
+  assert xs.shape == (40, hidden) and xs.dtype == x.dtype
+  want = np.asarray(x)[np.maximum(route_of_row, 0) // top_k]
+  want[route_of_row < 0] = padding
+  bits = np.uint16
+  np.testing.assert_array_equal(np.asarray(xs).view(bits), want.view(bits))
+
+
 GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}
 TWO_WARPGROUPS_N = TuningConfig(warpgroups=2, block_n_gate_up=128, block_n_down=256)
 TWO_WARPGROUPS_M = TuningConfig(
