@@ -445,8 +445,7 @@ def test_gather_rows_moves_rows_bit_for_bit(dtype, padding):
   assert xs.shape == (40, hidden) and xs.dtype == x.dtype
   want = np.asarray(x)[np.maximum(route_of_row, 0) // top_k]
   want[route_of_row < 0] = padding
-  bits = np.uint16
-  np.testing.assert_array_equal(np.asarray(xs).view(bits), want.view(bits))
+  np.testing.assert_array_equal(np.asarray(xs).view(np.uint16), want.view(np.uint16))
 
 
 GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}

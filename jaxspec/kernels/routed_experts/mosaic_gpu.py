@@ -9,11 +9,11 @@ device-side tile table of tokamax's Mosaic GPU ragged_dot):
    routes and per-block counts across them. Expert ``e`` with ``c`` routes owns a span of
    ``ceil(c / 8) * 8`` buffer rows starting at a multiple of 8 (a TMA copy into 8-row-tiled
    shared memory must start on a tile row), cut into ``ceil(c / block_m)`` M tiles. ``x`` is
-   gathered into buffer-row order, ``xs [rows + block_m, H]`` with ``rows = route_rows(T * k,
-   E)``. A tile table lists
-   each used tile's expert, first buffer row and rows to store; experts no route reaches have no
-   tile, so their weights are never read. The table has a static size, a bound on the tiles any
-   routing can need (``max_tiles``); only its used prefix runs. At decode sizes (up to
+   gathered into buffer-row order, ``xs [rows + block_m, H]`` with
+   ``rows = route_rows(T * k, E)``. A tile table lists each used tile's expert, first buffer
+   row and rows to store; experts no route reaches have no tile, so their weights are never
+   read. The table has a static size, a bound on the tiles any routing can need
+   (``max_tiles``); only its used prefix runs. At decode sizes (up to
    ``COMPARE_PLAN_MAX_ROUTES`` routes) all-pairs comparisons over all routes replace the blocks
    and the scatter: on the H200 the layer's XLA kernels went from 16 (21 us, with a sort) to 9
    (12 us) at one token.
