@@ -349,7 +349,7 @@ def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
     routed_experts(*args, impl="pallas", interpret=True, config=too_deep)
 
 
-@pytest.mark.parametrize("planner", ["compare", "sort"])
+@pytest.mark.parametrize("planner", ["compare", "count"])
 def test_route_plan_covers_every_route_once(planner, monkeypatch):
   rng = np.random.default_rng(5)
   num_experts, block_m = 16, 64
@@ -358,6 +358,7 @@ def test_route_plan_covers_every_route_once(planner, monkeypatch):
   ids[7, 2] = num_experts  # dropped
   threshold = ids.size if planner == "compare" else ids.size - 1
   monkeypatch.setattr(mosaic_gpu, "COMPARE_PLAN_MAX_ROUTES", threshold)
+  monkeypatch.setattr(mosaic_gpu, "COUNT_BLOCK_ROUTES", 32)  # 9 blocks, the last partial
   rows = mosaic_gpu.route_rows(ids.size, num_experts)
   plan = mosaic_gpu.plan_routes(jnp.asarray(ids, jnp.int32), num_experts, block_m, rows)
   route_of_row, position = np.asarray(plan.route_of_row), np.asarray(plan.position)
@@ -382,23 +383,69 @@ def test_route_plan_covers_every_route_once(planner, monkeypatch):
   assert set(expert[:num_tiles]) == set(ids[in_range].reshape(-1))  # empty experts: no tile
 
 
-def test_route_plans_by_comparing_and_by_sorting_agree(monkeypatch):
-  # Random routings with ids out of range on both sides, several expert counts and tile sizes.
+def _oracle_positions(ids: np.ndarray, num_experts: int) -> np.ndarray:
+  """Each route's buffer row, route by route: its expert's 8-aligned span start plus the number
+  of earlier routes of that expert (0 for dropped routes); the plan of a stable sort."""
+  flat = ids.reshape(-1)
+  valid = (flat >= 0) & (flat < num_experts)
+  counts = np.bincount(flat[valid], minlength=num_experts)
+  spans = -(-counts // 8) * 8
+  span_start = np.concatenate([[0], np.cumsum(spans)[:-1]])
+  seen = np.zeros(num_experts, np.int64)
+  position = np.zeros(flat.size, np.int64)
+  for route, expert in enumerate(flat):
+    if 0 <= expert < num_experts:
+      position[route] = span_start[expert] + seen[expert]
+      seen[expert] += 1
+  return position
+
+
+@pytest.mark.parametrize("count_block", [32, 256])
+def test_route_plans_by_comparing_and_by_counting_agree_with_a_stable_sort(
+  count_block, monkeypatch
+):
+  # Random routings with ids out of range on both sides, several expert counts and tile sizes;
+  # blocks of 32 routes leave a partial last block at 10, 37 and 300 routes.
+  monkeypatch.setattr(mosaic_gpu, "COUNT_BLOCK_ROUTES", count_block)
   rng = np.random.default_rng(11)
-  for num_tokens, top_k, num_experts in [(1, 8, 128), (5, 2, 8), (64, 8, 160), (37, 1, 16)]:
+  for num_tokens, top_k, num_experts in [
+    (1, 8, 128),
+    (5, 2, 8),
+    (64, 8, 160),
+    (37, 1, 16),
+    (150, 2, 4),
+  ]:
     ids = np.argsort(rng.random((num_tokens, num_experts)), axis=1)[:, :top_k]
     ids[rng.random(ids.shape) < 0.1] = -2
     ids[rng.random(ids.shape) < 0.1] = num_experts + 1
+    expected = _oracle_positions(ids, num_experts)
     ids = jnp.asarray(ids, jnp.int32)
     rows = mosaic_gpu.route_rows(ids.size, num_experts)
     for block_m in (64, 128):
       plans = []
-      for threshold in (ids.size, ids.size - 1):  # compare, then sort
+      for threshold in (ids.size, ids.size - 1):  # compare, then count
         monkeypatch.setattr(mosaic_gpu, "COMPARE_PLAN_MAX_ROUTES", threshold)
         plans.append(mosaic_gpu.plan_routes(ids, num_experts, block_m, rows))
+      for plan in plans:
+        np.testing.assert_array_equal(np.asarray(plan.position), expected)
       for field in dataclasses.fields(mosaic_gpu.RoutePlan):
-        compared, sorted_ = (np.asarray(getattr(plan, field.name)) for plan in plans)
-        np.testing.assert_array_equal(compared, sorted_, err_msg=field.name)
+        compared, counted = (np.asarray(getattr(plan, field.name)) for plan in plans)
+        np.testing.assert_array_equal(compared, counted, err_msg=field.name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("padding", [0.0, float("nan")])
+def test_gather_rows_moves_rows_bit_for_bit(dtype, padding):
+  rng = np.random.default_rng(12)
+  num_tokens, top_k, hidden = 6, 3, 64
+  x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)
+  route_of_row = rng.integers(-1, num_tokens * top_k, 40).astype(np.int32)
+  route_of_row[:3] = [-1, 0, num_tokens * top_k - 1]
+  xs = mosaic_gpu._gather_rows(x, jnp.asarray(route_of_row), top_k, padding)
+  assert xs.shape == (40, hidden) and xs.dtype == x.dtype
+  want = np.asarray(x)[np.maximum(route_of_row, 0) // top_k]
+  want[route_of_row < 0] = padding
+  np.testing.assert_array_equal(np.asarray(xs).view(np.uint16), want.view(np.uint16))
 
 
 GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}

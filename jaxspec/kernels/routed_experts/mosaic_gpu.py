@@ -4,15 +4,19 @@ Algorithm (the grouped-GEMM MoE of vLLM's fused_moe / ``moe_align_block_size``, 
 device-side tile table of tokamax's Mosaic GPU ragged_dot):
 
 1. Plan, in XLA on the device (``plan_routes``): the ``T * k`` routes are sorted by expert
-   (out-of-range ids dropped). Expert ``e`` with ``c`` routes owns a span of ``ceil(c / 8) * 8``
-   buffer rows starting at a multiple of 8 (a TMA copy into 8-row-tiled shared memory must start
-   on a tile row), cut into ``ceil(c / block_m)`` M tiles. ``x`` is gathered into buffer-row
-   order, ``xs [rows + block_m, H]`` with ``rows = route_rows(T * k, E)``. A tile table lists
-   each used tile's expert, first buffer row and rows to store; experts no route reaches have no
-   tile, so their weights are never read. The table has a static size, a bound on the tiles any
-   routing can need (``max_tiles``); only its used prefix runs. At decode sizes (up to
-   ``COMPARE_PLAN_MAX_ROUTES`` routes) all-pairs comparisons replace the sort and the scatters:
-   on the H200 the layer's XLA kernels went from 16 (21 us) to 9 (12 us) at one token.
+   (out-of-range ids dropped) by counting, not by a sort kernel: a route's rank within its
+   expert is the count of earlier routes of that expert, found by comparisons within blocks of
+   routes and per-block counts across them. Expert ``e`` with ``c`` routes owns a span of
+   ``ceil(c / 8) * 8`` buffer rows starting at a multiple of 8 (a TMA copy into 8-row-tiled
+   shared memory must start on a tile row), cut into ``ceil(c / block_m)`` M tiles. ``x`` is
+   gathered into buffer-row order, ``xs [rows + block_m, H]`` with
+   ``rows = route_rows(T * k, E)``. A tile table lists each used tile's expert, first buffer
+   row and rows to store; experts no route reaches have no tile, so their weights are never
+   read. The table has a static size, a bound on the tiles any routing can need
+   (``max_tiles``); only its used prefix runs. At decode sizes (up to
+   ``COMPARE_PLAN_MAX_ROUTES`` routes) all-pairs comparisons over all routes replace the blocks
+   and the scatter: on the H200 the layer's XLA kernels went from 16 (21 us, with a sort) to 9
+   (12 us) at one token.
 2. Kernel ``gate_up``: one pass over ``w_gate[e]`` and ``w_up[e]`` per (tile, N block of I):
    two wgmma accumulators over the same ``xs`` tile, ``silu(g) * u`` in the epilogue, rounded to
    the weights' dtype, stored as ``act [rows + block_m, I]``.
@@ -66,10 +70,11 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
-from jaxspec.kernels.routed_experts.reference import combine_routes, sort_routes
+from jaxspec.kernels.routed_experts.reference import combine_routes
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ROWS_PER_WGMMA = 64  # the wgmma M of one warpgroup
@@ -82,9 +87,13 @@ MAX_ACC_ELEMENTS = 128 * 128
 # H200 both GLM shapes crossed over between 56 (0.96-0.98x) and 64 (1.11-1.17x) routes per
 # expert (default_config's docstring).
 PREFILL_ROUTES_PER_EXPERT = 64
-# Routes up to which plan_routes compares all pairs instead of sorting (128 tokens at top-8:
-# decode batches and short verify steps): its [rows, T * k] comparison grows quadratically.
+# Routes up to which plan_routes compares all pairs instead of counting by blocks (128 tokens at
+# top-8: decode batches and short verify steps): its [rows, T * k] comparison grows quadratically.
 COMPARE_PLAN_MAX_ROUTES = 1024
+# Routes per block of plan_routes' counting sort beyond COMPARE_PLAN_MAX_ROUTES: a route's rank
+# within its block comes from all pairs of the block ([blocks, 256, 256] comparisons), its rank
+# across blocks from per-block counts summed over the earlier blocks ([blocks, blocks, E]).
+COUNT_BLOCK_ROUTES = 256
 # Routes per memory part from which default_config splits the layer (TuningConfig.memory_parts):
 # the routed-row buffers (xs, y) then hold at most this many rows of H at a time. On the H200 at
 # GLM-4.5-Air's shapes and 8192 tokens (65536 routes) 1 / 2 / 4 parts took 4386 / 4544 / 4741
@@ -374,25 +383,49 @@ class RoutePlan:
 
 
 def _exclusive_cumsum(values: jax.Array) -> jax.Array:
-  """``cumsum(values) - values`` of a short vector as one masked sum over ``[n, n]``: unlike a
-  scan, XLA fuses it with its producer and with sibling sums into one small kernel."""
+  """``cumsum(values, axis=0) - values`` of a short leading axis as one masked sum over
+  ``[n, n, ...]``: unlike a scan, XLA fuses it with its producer and with sibling sums into one
+  small kernel."""
   index = jnp.arange(values.shape[0])
-  earlier = index[None, :] < index[:, None]
-  return jnp.sum(jnp.where(earlier, values[None, :], 0), axis=1, dtype=values.dtype)
+  earlier = (index[None, :] < index[:, None]).reshape(
+    (values.shape[0],) * 2 + (1,) * (values.ndim - 1)
+  )
+  return jnp.sum(jnp.where(earlier, values[None], 0), axis=1, dtype=values.dtype)
 
 
-def _rows_by_sorting(expert_ids, valid, counts, span_start, rows: int):
-  """(position, route_of_row) from a stable sort of the routes by expert."""
-  num_routes, num_experts = expert_ids.size, counts.shape[0]
-  order = sort_routes(expert_ids, num_experts)[0]
-  expert_of_sorted = jnp.clip(expert_ids.reshape(-1)[order], 0, num_experts - 1)  # [T * k]
-  rank = jnp.arange(num_routes, dtype=jnp.int32) - _exclusive_cumsum(counts)[expert_of_sorted]
-  valid_sorted = valid[order]
-  row_of_sorted = jnp.where(valid_sorted, span_start[expert_of_sorted] + rank, rows)
-  row_or_zero = jnp.where(valid_sorted, row_of_sorted, 0)
-  position = jnp.zeros((num_routes,), jnp.int32).at[order].set(row_or_zero)
-  route_of_row = jnp.full((rows,), -1, jnp.int32).at[row_of_sorted].set(order, mode="drop")
-  return position, route_of_row
+def _rows_by_counting(expert_ids, valid, span_start, rows: int):
+  """(position, route_of_row) from a counting sort by blocks of ``COUNT_BLOCK_ROUTES`` routes.
+
+  A route's rank within its expert is the number of earlier routes of that expert in its own
+  block (all pairs of the block) plus that expert's routes in the earlier blocks (per-block
+  counts summed over the blocks before); one scatter then lists each row's route. Stable, so
+  the plan equals the sort's, without XLA's sort kernels (48 of the 194 us of XLA kernels at
+  GLM-4.5-Air's 2048 tokens, where the sort and its two scatters ran).
+  """
+  flat = expert_ids.reshape(-1)  # [T * k]
+  num_routes, num_experts = flat.shape[0], span_start.shape[0]
+  block = COUNT_BLOCK_ROUTES
+  blocks = -(-num_routes // block)
+  # The tail of the last block gets id -1, which no valid route has: it changes no valid rank.
+  ids = jnp.pad(flat, (0, blocks * block - num_routes), constant_values=-1).reshape(blocks, block)
+  lane = jnp.arange(block)
+  earlier = lane[None, :] < lane[:, None]  # [B, B]: lane j before lane i
+  same_earlier = (ids[:, :, None] == ids[:, None, :]) & earlier  # [blocks, B, B]
+  rank_in_block = jnp.sum(same_earlier, axis=2, dtype=jnp.int32)  # [blocks, B]
+  experts = jnp.arange(num_experts, dtype=jnp.int32)
+  block_counts = jnp.sum(ids[:, :, None] == experts, axis=1, dtype=jnp.int32)  # [blocks, E]
+  earlier_blocks = _exclusive_cumsum(block_counts)  # [blocks, E]
+  safe_ids = jnp.clip(ids, 0, num_experts - 1)
+  rank = rank_in_block + jnp.take_along_axis(earlier_blocks, safe_ids, axis=1)  # [blocks, B]
+  rank = rank.reshape(-1)[:num_routes]
+  position = jnp.where(valid, span_start[safe_ids.reshape(-1)[:num_routes]] + rank, 0)
+  route = jnp.arange(num_routes, dtype=jnp.int32)
+  target = jnp.where(valid, position, rows)  # dropped routes: out of range, dropped by the scatter
+  route_of_row = jnp.full((rows,), -1, jnp.int32).at[target].set(route, mode="drop")
+  # Materialised here: left as an expression, XLA fused the rank sums into the combine, which
+  # gathers each route's row for every one of its H columns, and recomputed them per element
+  # (GLM-4.5-Air at 384 tokens: 270 us more of XLA kernels on the H200).
+  return lax.optimization_barrier((position, route_of_row))
 
 
 def _rows_by_comparing(expert_ids, valid, span_start, rows: int):
@@ -423,7 +456,8 @@ def plan_routes(expert_ids: jax.Array, num_experts: int, block_m: int, rows: int
   ``ceil(c / block_m)`` M tiles. Routes with ids outside ``[0, E)`` get no row.
 
   Up to ``COMPARE_PLAN_MAX_ROUTES`` routes the rows come from all-pairs comparisons (a few
-  fused kernels), beyond from a stable sort and scatters; both give the same plan.
+  fused kernels), beyond from a counting sort by blocks and one scatter; both give the plan of
+  a stable sort by expert.
   """
   num_routes = expert_ids.size
   flat = expert_ids.reshape(-1)
@@ -435,7 +469,7 @@ def plan_routes(expert_ids: jax.Array, num_experts: int, block_m: int, rows: int
   if num_routes <= COMPARE_PLAN_MAX_ROUTES:
     position, route_of_row = _rows_by_comparing(expert_ids, valid, span_start, rows)
   else:
-    position, route_of_row = _rows_by_sorting(expert_ids, valid, counts, span_start, rows)
+    position, route_of_row = _rows_by_counting(expert_ids, valid, span_start, rows)
 
   tiles = lax.div(counts + (block_m - 1), block_m)  # [E]
   tile_start = _exclusive_cumsum(tiles)  # [E], each expert's first tile
@@ -674,6 +708,29 @@ def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
   return gate / (1.0 + jnp.exp(-gate)) * up
 
 
+def _gather_rows(
+  x: jax.Array,  # [T, H], 16-bit
+  route_of_row: jax.Array,  # int32 [rows], -1 for padding
+  top_k: int,
+  padding: float,
+) -> jax.Array:  # [rows, H]
+  """``xs[r] = x[route_of_row[r] // top_k]``, or ``padding`` where ``route_of_row[r] < 0``.
+
+  Moved as 32-bit words, two 16-bit values each: XLA's loop emitter gives each thread four
+  elements of the gather, so words make each thread's share 16 bytes instead of 8 (the bf16
+  gather wrote 1.5 TB/s on the H200, 92 us at GLM-4.5-Air's 2048 tokens). Bit for bit the same
+  rows. The row's token is computed once per row, not per element of the row.
+  """
+  num_tokens, hidden = x.shape
+  token_of_row = lax.div(jnp.maximum(route_of_row, 0), top_k)
+  token_of_row, keep = lax.optimization_barrier((token_of_row, route_of_row >= 0))
+  words = lax.bitcast_convert_type(x.reshape(num_tokens, hidden // 2, 2), jnp.uint32)
+  fill = np.full(2, padding, x.dtype).view(np.uint32)[0]  # a constant: padding is static
+  gathered = words.at[token_of_row].get(mode="promise_in_bounds")  # tokens are in [0, T)
+  rows = jnp.where(keep[:, None], gathered, fill)  # [rows, H / 2]
+  return lax.bitcast_convert_type(rows, x.dtype).reshape(route_of_row.shape[0], hidden)
+
+
 def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, interpret, padding):
   """``act [rows + block_m, I]``: ``silu(xs @ w_gate) * (xs @ w_up)`` for every tile's rows,
   the tile table run in ``config.memory_parts`` parts, each with its own slice of ``xs``.
@@ -701,8 +758,7 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
       if act is not None:  # the previous part's kernel first: one slice of xs alive at a time
         act, lhs_row = lax.optimization_barrier((act, lhs_row))
       part_routes = lax.dynamic_slice(route_of_row, (lhs_row[0],), (xs_rows,))
-    token_of_row = lax.div(jnp.maximum(part_routes, 0), top_k)
-    xs = jnp.where((part_routes >= 0)[:, None], x[token_of_row], padding)
+    xs = _gather_rows(x, part_routes, top_k, padding)
     gate_up = functools.partial(
       _grouped_matmul,
       xs,  # [xs_rows, H]
