@@ -24,6 +24,7 @@ from decode_attention_inputs import (
   oracle,
 )
 from jax.experimental import checkify
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from races import races_found
 
 from jaxspec.contracts import checked_jit
@@ -594,13 +595,14 @@ def test_default_config_keeps_operands_in_shared_memory_for_few_pairs(batch, reg
     (1, 1, 8, 128, 16, FP8, False),
     (255, 1, 8, 128, 16, FP8, False),
   ]
-  + [(256, 1, 12, 128, 16, FP8, False), (32, 2, 8, 64, 16, FP8, False)]
+  + [(256, 1, 12, 128, 16, FP8, True), (256, 2, 8, 128, 16, FP8, True)]
+  + [(256, 3, 8, 128, 16, FP8, False), (32, 2, 8, 64, 16, FP8, False)]
   + [(256, 1, 8, 128, 128, FP8, False), (256, 1, 8, 128, 16, BF16, False)],
 )
 def test_default_config_converts_fp8_in_registers_for_few_rows(
   batch, q_len, group, head_dim, page_size, kv_dtype, registers
 ):
-  """The measured policy: fp8 pages with up to 12 packed rows at D 64, 8 at D 128 (there from 512
+  """The measured policy: fp8 pages with up to 12 packed rows at D 64, 16 at D 128 (there from 512
   (request, KV head) pairs on) convert K and V in registers, in the transposed tile with
   ``block_kv`` 64 (128-position pages make 128-position blocks, which it does not serve); at
   D 128 their ring, with no staging block beside it, takes 4 stages, at D 64 the usual 6."""
@@ -616,12 +618,24 @@ def test_default_config_converts_fp8_in_registers_for_few_rows(
   assert not default_config(head_dim, page_size, kv_dtype).fp8_in_registers  # rows unknown
 
 
+def test_fp8_k_pairs_order_follows_the_wgmma_columns():
+  """At D 128 each thread's 32-bit register of the 16-bit K view holds head dims 4s .. 4s + 3 of
+  its 16-column block (s: lane % 4); its two float16 pairs land in the column tiles 2i and
+  2i + 1 at columns 2s and 2s + 1, so Q's head dims must follow this order (the native kernel
+  cases check the whole product)."""
+  order = mosaic_gpu._k_pairs_order(128)
+  np.testing.assert_array_equal(np.sort(order), np.arange(128))
+  block = [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+  np.testing.assert_array_equal(order, np.concatenate([np.add(block, 16 * i) for i in range(8)]))
+
+
 @pytest.mark.parametrize("head_dim, stages", [(128, 2), (64, 6)])
 def test_fp8_default_config_keeps_three_items_per_sm(head_dim, stages):
   """The fp8 ring is as deep as three items of one staging block allow; row tiles keep that ring
   and add the second staging block (two items per SM), transposed tiles keep one block."""
-  transposed = default_config(head_dim, 16, FP8, num_rows=16)
-  rows = default_config(head_dim, 16, FP8, num_rows=24)
+  # 64 pairs: too few for the register path at D 128 (at D 64, 16 rows are too many for it)
+  transposed = default_config(head_dim, 16, FP8, num_rows=16, num_pairs=64)
+  rows = default_config(head_dim, 16, FP8, num_rows=24, num_pairs=64)
   assert transposed.transposed_scores and not transposed.fp8_in_registers
   assert not transposed.fp8_staging_overlap and rows.fp8_staging_overlap
   for config in (transposed, rows):
@@ -1256,6 +1270,53 @@ def _coverage_params():
     if group in (1, 8, 12):
       params.append(pytest.param(q_len, group, head_dim, page_size, dtype, True, id=name + "-fp8"))
   return params
+
+
+def _convert_fp8_pairs_natively(pairs):
+  """Runs the two fp8-pair conversions of the kernel on one 16-bit block [64, 64]: K as is, V
+  from its transposed view; returns (K f16 [64, 128], V^T f16 [128, 64])."""
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+  def kernel(pairs_ref, k_ref, v_ref, pairs_smem, k_smem, v_smem, barrier):
+    plgpu.copy_gmem_to_smem(pairs_ref, pairs_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    k_smem[...] = mosaic_gpu._fp8_k_pairs_to_float16(
+      plgpu.load(pairs_smem, layout=plgpu.Layout.WGMMA)
+    )
+    v_smem[...] = mosaic_gpu._fp8_v_pairs_to_float16(
+      plgpu.load(pairs_smem.transpose((1, 0)), layout=plgpu.Layout.WGMMA)
+    )
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem, k_ref)
+    plgpu.copy_smem_to_gmem(v_smem, v_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+    kernel,
+    out_type=(jax.ShapeDtypeStruct((64, 128), F16), jax.ShapeDtypeStruct((128, 64), F16)),
+    scratch_types=[
+      plgpu.SMEM((64, 64), jnp.uint16, transforms=transforms),
+      plgpu.SMEM((64, 128), F16, transforms=transforms),
+      plgpu.SMEM((128, 64), F16, transforms=transforms),
+      plgpu.Barrier(),
+    ],
+  )(pairs)
+
+
+@pytest.mark.gpu
+def test_fp8_pairs_convert_k_and_v_exactly():
+  """The D 128 register path's conversions on their own, against NumPy: each e4m3 byte of a K
+  block at its column of ``_k_pairs_order``, and of V^T with the even head dims first."""
+  rng = np.random.default_rng(7)
+  block = jnp.asarray(rng.standard_normal((64, 128)) * 30, F32).astype(FP8)  # [positions, D]
+  pairs = jax.lax.bitcast_convert_type(block.reshape(64, 64, 2), jnp.uint16)
+  k, v_t = jax.jit(_convert_fp8_pairs_natively)(pairs)
+  values = np.asarray(block.astype(F32))
+  np.testing.assert_array_equal(
+    np.asarray(k, np.float32), values[:, mosaic_gpu._k_pairs_order(128)]
+  )
+  expected_v_t = np.concatenate([values.T[0::2], values.T[1::2]])
+  np.testing.assert_array_equal(np.asarray(v_t, np.float32), expected_v_t)
 
 
 @pytest.mark.gpu

@@ -130,7 +130,11 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental.mosaic import gpu as mgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
 
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
 
@@ -165,11 +169,13 @@ FP8_ITEMS_PER_SM = 3
 DEFAULT_REGISTER_OPERANDS_MIN_PAIRS = 64
 # default_config's fp8_in_registers: fp8 pages with up to this many packed rows, by head dim.
 # H200, B64 L32k, against the staging block: at D 128 8 rows 1.06-1.07x, 12 and 16 rows
-# 0.97-1.02x; at D 64 8 rows 1.41x, 12 rows 1.14x. At D 128 only from
+# 0.97-1.02x with 8-bit loads; at D 64 8 rows 1.41x, 12 rows 1.14x. At D 128 only from
 # DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 (request, KV head) pairs on: B1 L8k ran 0.82x and B8
 # L32k (64 pairs) 0.94-1.00x (benchmarks/results/decode_attention_fp8_in_registers.md and
-# decode_attention_fp8_register_sweep/).
-DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 8}
+# decode_attention_fp8_register_sweep/). With the 16-bit pair loads at D 128, H100, same
+# process: 12 rows (G 12) B64 L32k 1.12-1.14x, B128 L16k 1.11x, 16 rows (G 8 q_len 2) B64 L32k
+# 1.14x (benchmarks/results/decode_attention_fp8_pairs_ab_2026-12-05.json).
+DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 16}
 DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 = 512
 # Their ring at D 128, where no staging block sits beside it: B64 L32k, 8 rows, 2 stages 1316 us,
 # 3 stages 1340, 4 stages 1241 and 1247, 6 stages 1567. At D 64 the staging-sized ring (6 stages)
@@ -211,9 +217,12 @@ class TuningConfig:
       converted to float16 in registers and is the A operand of ``S^T = K Q^T``, and each V
       block is loaded transposed, converted and is the A operand of ``O^T = V^T P^T``, instead
       of both going through the float16 staging block (two stores and two reads of 16 KiB
-      fewer per step at D 128; no staging block). Native runs only, as
-      ``operands_in_registers``. ``default_config`` turns it on for up to
-      ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS`` packed rows.
+      fewer per step at D 128; no staging block). At D 128 both blocks are read as 16-bit
+      pairs of head dims with ``ldmatrix`` (V transposed), four bytes a register, and
+      converted with one byte permute (V only) and two ``cvt`` per register; K's head dims and
+      V^T's rows come out permuted, which Q's column order and the output's reorder after the
+      merge undo. Native runs only, as ``operands_in_registers``. ``default_config`` turns it
+      on for up to ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS`` packed rows.
     fp8_staging_overlap: fp8 pages through staging: separate K and V staging blocks, V converted
       while ``Q K^T`` runs and the next K while ``P V`` runs (module docstring, "fp8 pages"),
       at 16 KiB more shared memory per item (D 128). ``default_config`` turns it on for fp8 row
@@ -583,6 +592,12 @@ def paged_decode_attention_mosaic_gpu(
   # does not lower, jax 0.11.2); V^T loads from the transposed view in the transposed wgmma
   # layout, which a register shuffle per pair turns into the wgmma layout after the conversion.
   fp8_in_registers = fp8 and transposed and config.fp8_in_registers and not interpret
+  # At D 128 the pages reach the kernel as uint16 pairs of adjacent head dims instead, which
+  # ldmatrix loads four bytes a register (K as is, V transposed) and a byte permute and two cvts
+  # convert: K's head dims come out permuted within each 16 (Q takes the same order,
+  # _k_pairs_order) and V^T's rows even head dims first (the output's order, put back after the
+  # merge). See _fp8_k_pairs_to_float16 and _fp8_v_pairs_to_float16.
+  fp8_pairs = fp8_in_registers and head_dim == 128
   staged = fp8 and not fp8_in_registers  # the float16 staging block
   # Separate K and V staging blocks, each converted while a wgmma reads the other.
   overlapped = staged and config.fp8_staging_overlap
@@ -599,6 +614,8 @@ def paged_decode_attention_mosaic_gpu(
   q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
   if fp8:
     q_packed, q_scale = _to_float16_tiles(q_packed, rows_per_tile)  # f32 [B, Hkv, row_tiles]
+  if fp8_pairs:  # Q's head dims in the order of the converted K's columns
+    q_packed = q_packed[..., _k_pairs_order(head_dim)]
 
   def paged_attention_kernel(
     block_tables_ref,  # GMEM int32 [B, max_pages]
@@ -805,7 +822,10 @@ def paged_decode_attention_mosaic_gpu(
         refill = i + num_stages
         if not overlapped:  # (overlapped: the step before, or the prologue, waited and staged K)
           plgpu.barrier_wait(k_barriers.at[slot])
-        if fp8_in_registers:
+        if fp8_pairs:  # K [block_kv, D], head dims in _k_pairs_order, the A operand of S^T = K Q^T
+          k_block = _fp8_k_pairs_to_float16(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA))
+          v_block = None  # converted once Q K^T is complete, below
+        elif fp8_in_registers:
           k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
           v_block = None  # converted once Q K^T is complete, below
         elif staged:  # one block unless overlapped: V is converted once Q K^T is complete
@@ -859,8 +879,14 @@ def paged_decode_attention_mosaic_gpu(
         if not overlapped:  # (overlapped: V was waited for and staged during Q K^T)
           plgpu.barrier_wait(v_barriers.at[slot])
         if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
-          v_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
-          v_t = plgpu.layout_cast(v_t.astype(jnp.float16), plgpu.Layout.WGMMA)
+          if fp8_pairs:  # head dims even then odd
+            pairs_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA)
+            v_t = _fp8_v_pairs_to_float16(pairs_t)
+          else:
+            v_t = plgpu.load(
+              v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED
+            )
+            v_t = plgpu.layout_cast(v_t.astype(jnp.float16), plgpu.Layout.WGMMA)
           if masked:  # V rows the mask removed may hold stale or NaN data: 0 * NaN = NaN
             positions = plgpu.broadcasted_iota(
               jnp.int32, (head_dim, block_kv), 1, layout=plgpu.Layout.WGMMA
@@ -1021,10 +1047,18 @@ def paged_decode_attention_mosaic_gpu(
   else:
     kv_transforms = transforms
   per_warpgroup = (warpgroups,) if warpgroups > 1 else ()
+  if fp8_pairs:  # [Hkv, num_pages, page_size, D / 2] uint16: the same bytes, the same swizzle
+    k_pages, v_pages = (
+      lax.bitcast_convert_type(pages.reshape(*pages.shape[:-1], head_dim // 2, 2), jnp.uint16)
+      for pages in (k_pages, v_pages)
+    )
+    kv_slots = (num_stages, block_kv, head_dim // 2), jnp.uint16, transforms
+  else:
+    kv_slots = (num_stages, block_kv, head_dim), k_pages.dtype, kv_transforms
   scratch = [
     plgpu.SMEM((*per_warpgroup, tile_rows, head_dim), compute_dtype, transforms=transforms),
-    plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
-    plgpu.SMEM((num_stages, block_kv, head_dim), k_pages.dtype, transforms=kv_transforms),
+    plgpu.SMEM(*kv_slots[:2], transforms=kv_slots[2]),
+    plgpu.SMEM(*kv_slots[:2], transforms=kv_slots[2]),
     plgpu.SMEM((*per_warpgroup, tile_rows), jnp.float32),
     plgpu.Barrier(num_barriers=warpgroups) if warpgroups > 1 else plgpu.Barrier(),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
@@ -1069,6 +1103,8 @@ def paged_decode_attention_mosaic_gpu(
       partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
       partial_lse.reshape(batch, num_chunks, num_kv_heads, padded_rows),
     )  # [B, Hkv, padded_rows, D]
+    if fp8_pairs:  # head dims even then odd -> in order
+      out = out.reshape(*out.shape[:-1], 2, head_dim // 2).swapaxes(-1, -2)
     out = out[:, :, :num_rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
   if fp8:  # real V = stored V * v_scale, per KV head
@@ -1098,6 +1134,108 @@ def _to_float16_tiles(
   scale = jnp.ldexp(jnp.float32(1.0), jnp.maximum(exponent, -100) - 15)
   scaled = tiles / scale[..., None, None]
   return scaled.astype(jnp.float16).reshape(q_packed.shape), scale
+
+
+def _fp8_words_to_float16(fragments, selector: int | None = None):
+  """Each 32-bit register of ``fragments`` (four e4m3 bytes) as two float16 pairs.
+
+  With a ``selector`` a byte permute (PTX ``prmt``) first orders the bytes; then one
+  ``cvt.rn.f16x2.e4m3x2`` (exact: every e4m3 value is a float16 value) converts each 16-bit
+  half: returns the register arrays of the low halves and of the high halves.
+  """
+  i32 = ir.IntegerType.get_signless(32)
+  f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
+  permute, source = "", "$2"
+  if selector is not None:
+    permute, source = f"prmt.b32 ordered, $2, $2, {selector:#06x};", "ordered"
+  low, high = np.empty_like(fragments.registers), np.empty_like(fragments.registers)
+  for index, register in np.ndenumerate(fragments.registers):
+    halves = llvm.inline_asm(
+      llvm.StructType.get_literal([i32, i32]),
+      [mgpu.utils.bitcast(register, i32)],
+      f"""{{
+      .reg .b32 ordered;
+      .reg .b16 low_pair, high_pair;
+      {permute}
+      mov.b32 {{low_pair, high_pair}}, {source};
+      cvt.rn.f16x2.e4m3x2 $0, low_pair;
+      cvt.rn.f16x2.e4m3x2 $1, high_pair;
+      }}""",
+      "=r,=r,r",
+    )
+    low[index] = mgpu.utils.bitcast(llvm.extractvalue(i32, halves, [0]), f16x2)
+    high[index] = mgpu.utils.bitcast(llvm.extractvalue(i32, halves, [1]), f16x2)
+  return low, high
+
+
+def _fp8_k_pairs_to_float16(pairs):
+  """K in float16 from the 16-bit view of an fp8 K block, head dims in ``_K_PAIRS_ORDER``.
+
+  ``pairs`` [block_kv, D / 2] uint16 in the wgmma layout (an ``ldmatrix`` of the 16-bit view):
+  element ``(p, j)`` holds the e4m3 bytes of ``K[p, 2j]`` and ``K[p, 2j + 1]``, and each
+  register the pair ``j, j + 1``, so four consecutive head dims. Each register becomes two
+  float16 registers, one per column tile of 8 (the layout's second register axis): returns
+  f16 [block_kv, D] whose column ``c`` is head dim ``_K_PAIRS_ORDER[c]``. Q gets the same
+  column order, so ``S^T = K Q^T`` is unchanged. The 8-bit load it replaces read two bytes per
+  load.
+  """
+  block_kv, half = pairs.shape
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA,),
+    return_type=plgpu.ShapeDtypeStruct(
+      (block_kv, 2 * half), jnp.float16, layout=plgpu.Layout.WGMMA
+    ),
+  )
+  def convert(_, fragments):
+    low, high = _fp8_words_to_float16(fragments)
+    shape = list(low.shape)
+    shape[1] *= 2
+    registers = np.empty(shape, dtype=object)
+    registers[:, 0::2], registers[:, 1::2] = low, high
+    return mgpu.FragmentedArray(_registers=registers, _layout=fragments.layout, _is_signed=None)
+
+  return convert(pairs)
+
+
+def _k_pairs_order(head_dim: int) -> np.ndarray:
+  """Head dim of each float16 column of ``_fp8_k_pairs_to_float16``'s K: within each 16 columns,
+  column ``2s + e`` holds head dim ``4s + e`` and column ``8 + 2s + e`` head dim ``4s + 2 + e``
+  (``s`` < 4, ``e`` < 2; a thread's four bytes of one register split over two column tiles)."""
+  column = np.arange(head_dim)
+  base, within = 16 * (column // 16), column % 16
+  second = within >= 8
+  pair, element = (within % 8) // 2, within % 2
+  return base + 4 * pair + 2 * second + element
+
+
+def _fp8_v_pairs_to_float16(pairs_t):
+  """V^T in float16 from the transposed 16-bit view of an fp8 V block.
+
+  ``pairs_t`` [D / 2, block_kv] uint16 in the wgmma layout (an ``ldmatrix.trans`` of the 16-bit
+  view): element ``(j, k)`` holds the e4m3 bytes of ``V[k, 2j]`` (low) and ``V[k, 2j + 1]``
+  (high), and each register the positions ``k, k + 1``. One byte permute per register groups
+  its bytes by head dim: returns f16 [D, block_kv] with rows ``0, 2, ..., D - 2`` then ``1, 3,
+  ..., D - 1`` (the layout tiles rows by 64 along its first register axis), so ``O^T = V^T
+  P^T`` comes out with its head dims in that order. The 8-bit transposed load it replaces took
+  a 2-byte load, a permute and a shuffle per pair (``ldmatrix`` has no 8-bit transpose before
+  SM100).
+  """
+  half, block_kv = pairs_t.shape
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA,),
+    return_type=plgpu.ShapeDtypeStruct(
+      (2 * half, block_kv), jnp.float16, layout=plgpu.Layout.WGMMA
+    ),
+  )
+  def convert(_, fragments):
+    # bytes [V[k, 2j], V[k, 2j+1], V[k+1, 2j], V[k+1, 2j+1]] -> even dim (k, k+1), odd dim
+    even, odd = _fp8_words_to_float16(fragments, 0x3120)
+    registers = np.concatenate([even, odd], axis=0)
+    return mgpu.FragmentedArray(_registers=registers, _layout=fragments.layout, _is_signed=None)
+
+  return convert(pairs_t)
 
 
 def _all(flags):
