@@ -614,8 +614,13 @@ def paged_decode_attention_mosaic_gpu(
   q_packed = jnp.pad(q_packed, ((0, 0), (0, 0), (0, padded_rows - num_rows), (0, 0)))
   if fp8:
     q_packed, q_scale = _to_float16_tiles(q_packed, rows_per_tile)  # f32 [B, Hkv, row_tiles]
-  if fp8_pairs:  # Q's head dims in the order of the converted K's columns
-    q_packed = q_packed[..., _k_pairs_order(head_dim)]
+  if fp8_pairs:
+    q_packed = q_packed[..., _k_pairs_order(head_dim)]  # the converted K's column order
+    # [Hkv, num_pages, page_size, D / 2] uint16: the same bytes, in slots of the same swizzle
+    k_pages, v_pages = (
+      lax.bitcast_convert_type(pages.reshape(*pages.shape[:-1], head_dim // 2, 2), jnp.uint16)
+      for pages in (k_pages, v_pages)
+    )
 
   def paged_attention_kernel(
     block_tables_ref,  # GMEM int32 [B, max_pages]
@@ -822,11 +827,10 @@ def paged_decode_attention_mosaic_gpu(
         refill = i + num_stages
         if not overlapped:  # (overlapped: the step before, or the prologue, waited and staged K)
           plgpu.barrier_wait(k_barriers.at[slot])
-        if fp8_pairs:  # K [block_kv, D], head dims in _k_pairs_order, the A operand of S^T = K Q^T
-          k_block = _fp8_k_pairs_to_float16(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA))
-          v_block = None  # converted once Q K^T is complete, below
-        elif fp8_in_registers:
-          k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+        if fp8_in_registers:  # K [block_kv, D], the A operand of S^T = K Q^T
+          k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA)
+          # (pairs: head dims in _k_pairs_order)
+          k_block = _fp8_k_pairs_to_float16(k_block) if fp8_pairs else k_block.astype(jnp.float16)
           v_block = None  # converted once Q K^T is complete, below
         elif staged:  # one block unless overlapped: V is converted once Q K^T is complete
           if not overlapped:
@@ -1041,24 +1045,20 @@ def paged_decode_attention_mosaic_gpu(
       consume()
 
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  if fp8:  # rows of D bytes: 128-byte swizzle at D 128, 64-byte at D 64
+  if fp8 and not fp8_pairs:  # rows of D bytes: 128-byte swizzle at D 128, 64-byte at D 64
     swizzle = min(128, head_dim)
     kv_transforms = (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
-  else:
+  else:  # 16-bit rows (fp8 pairs: D / 2 uint16, the same 128 bytes)
     kv_transforms = transforms
   per_warpgroup = (warpgroups,) if warpgroups > 1 else ()
-  if fp8_pairs:  # [Hkv, num_pages, page_size, D / 2] uint16: the same bytes, the same swizzle
-    k_pages, v_pages = (
-      lax.bitcast_convert_type(pages.reshape(*pages.shape[:-1], head_dim // 2, 2), jnp.uint16)
-      for pages in (k_pages, v_pages)
-    )
-    kv_slots = (num_stages, block_kv, head_dim // 2), jnp.uint16, transforms
-  else:
-    kv_slots = (num_stages, block_kv, head_dim), k_pages.dtype, kv_transforms
+  # The K and V rings, in the dtype and row length of the pages as given to the kernel.
+  kv_ring = functools.partial(
+    plgpu.SMEM, (num_stages, block_kv, k_pages.shape[-1]), k_pages.dtype, transforms=kv_transforms
+  )
   scratch = [
     plgpu.SMEM((*per_warpgroup, tile_rows, head_dim), compute_dtype, transforms=transforms),
-    plgpu.SMEM(*kv_slots[:2], transforms=kv_slots[2]),
-    plgpu.SMEM(*kv_slots[:2], transforms=kv_slots[2]),
+    kv_ring(),
+    kv_ring(),
     plgpu.SMEM((*per_warpgroup, tile_rows), jnp.float32),
     plgpu.Barrier(num_barriers=warpgroups) if warpgroups > 1 else plgpu.Barrier(),
     plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=num_stages),
@@ -1103,10 +1103,10 @@ def paged_decode_attention_mosaic_gpu(
       partial_out.reshape(batch, num_chunks, num_kv_heads, padded_rows, head_dim),
       partial_lse.reshape(batch, num_chunks, num_kv_heads, padded_rows),
     )  # [B, Hkv, padded_rows, D]
-    if fp8_pairs:  # head dims even then odd -> in order
-      out = out.reshape(*out.shape[:-1], 2, head_dim // 2).swapaxes(-1, -2)
     out = out[:, :, :num_rows].reshape(batch, num_kv_heads, q_len, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
+  if fp8_pairs:  # head dims even then odd -> in order
+    out = out.reshape(*out.shape[:-1], 2, head_dim // 2).swapaxes(-1, -2).reshape(out.shape)
   if fp8:  # real V = stored V * v_scale, per KV head
     out = out.astype(jnp.float32) * jnp.repeat(v_scale, group)[:, None]
   return out.astype(dtype)
@@ -1169,13 +1169,13 @@ def _fp8_words_to_float16(fragments, selector: int | None = None):
 
 
 def _fp8_k_pairs_to_float16(pairs):
-  """K in float16 from the 16-bit view of an fp8 K block, head dims in ``_K_PAIRS_ORDER``.
+  """K in float16 from the 16-bit view of an fp8 K block, head dims in ``_k_pairs_order``.
 
   ``pairs`` [block_kv, D / 2] uint16 in the wgmma layout (an ``ldmatrix`` of the 16-bit view):
   element ``(p, j)`` holds the e4m3 bytes of ``K[p, 2j]`` and ``K[p, 2j + 1]``, and each
   register the pair ``j, j + 1``, so four consecutive head dims. Each register becomes two
   float16 registers, one per column tile of 8 (the layout's second register axis): returns
-  f16 [block_kv, D] whose column ``c`` is head dim ``_K_PAIRS_ORDER[c]``. Q gets the same
+  f16 [block_kv, D] whose column ``c`` is head dim ``_k_pairs_order(D)[c]``. Q gets the same
   column order, so ``S^T = K Q^T`` is unchanged. The 8-bit load it replaces read two bytes per
   load.
   """
