@@ -174,7 +174,9 @@ DEFAULT_REGISTER_OPERANDS_MIN_PAIRS = 64
 # L32k (64 pairs) 0.94-1.00x (benchmarks/results/decode_attention_fp8_in_registers.md and
 # decode_attention_fp8_register_sweep/). With the 16-bit pair loads at D 128, H100, same
 # process: 12 rows (G 12) B64 L32k 1.12-1.14x, B128 L16k 1.11x, 16 rows (G 8 q_len 2) B64 L32k
-# 1.14x (benchmarks/results/decode_attention_fp8_pairs_ab_2026-12-05.json).
+# 1.14x (benchmarks/results/decode_attention_fp8_pairs_ab_2026-12-05.json); H200, B64 L32k, against
+# the module before the pair loads: 8 rows 1.15x, 12 rows 1.17x
+# (benchmarks/results/decode_attention_fp8_pairs_ab_h200_2026-12-05.json).
 DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 16}
 DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 = 512
 # Their ring at D 128, where no staging block sits beside it: B64 L32k, 8 rows, 2 stages 1316 us,
