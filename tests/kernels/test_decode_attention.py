@@ -254,6 +254,8 @@ TRANSPOSED_CASES = [
       TuningConfig(num_stages=2, num_chunks=2, fp8_in_registers=True),
       True,
     ),
+    # 24 rows (G 8, q_len 3), the most default_config converts in registers at D 128
+    ((200, 4, 0, 65), 3, 1, 8, 128, 16, BF16, TuningConfig(fp8_in_registers=True), True),
     # Denominators summed once per work item (TuningConfig.deferred_sum): chunks, rows that
     # see nothing, N 16 with padded rows, fp8 pages in registers, 128-position blocks.
     ((70, 3, 0, 1), 1, 2, 1, 64, 16, BF16, TuningConfig(num_stages=2, deferred_sum=True), False),
@@ -542,11 +544,12 @@ def test_tuning_config_is_validated(field, value):
 @pytest.mark.parametrize(
   "q_len, group, kv_dtype, transposed",
   [(1, 8, BF16, True), (1, 12, F16, True), (2, 8, BF16, True), (3, 8, BF16, False)]
-  + [(7, 12, BF16, False), (1, 8, FP8, True), (1, 12, FP8, True), (3, 8, FP8, False)],
+  + [(7, 12, BF16, False), (1, 8, FP8, True), (1, 12, FP8, True), (4, 8, FP8, False)],
 )
 def test_default_config_transposes_scores_up_to_16_rows(q_len, group, kv_dtype, transposed):
-  """The measured policy: transposed scores for up to 16 packed rows, 16-bit or fp8 pages, and
-  the api's default config follows it from the shapes of q and the pages."""
+  """The measured policy: transposed scores for up to 16 packed rows, 16-bit or fp8 pages (fp8
+  pages in registers up to 24, see the next tests), and the api's default config follows it from
+  the shapes of q and the pages."""
   rows = q_len * group
   assert default_config(128, 16, kv_dtype, rows).transposed_scores == transposed
   assert not default_config(128, 16, kv_dtype).transposed_scores  # rows unknown: row tiles
@@ -596,13 +599,14 @@ def test_default_config_keeps_operands_in_shared_memory_for_few_pairs(batch, reg
     (255, 1, 8, 128, 16, FP8, False),
   ]
   + [(256, 1, 12, 128, 16, FP8, True), (256, 2, 8, 128, 16, FP8, True)]
-  + [(256, 3, 8, 128, 16, FP8, False), (32, 2, 8, 64, 16, FP8, False)]
+  + [(256, 3, 8, 128, 16, FP8, True), (256, 2, 12, 128, 16, FP8, True)]
+  + [(256, 4, 8, 128, 16, FP8, False), (32, 2, 8, 64, 16, FP8, False)]
   + [(256, 1, 8, 128, 128, FP8, False), (256, 1, 8, 128, 16, BF16, False)],
 )
 def test_default_config_converts_fp8_in_registers_for_few_rows(
   batch, q_len, group, head_dim, page_size, kv_dtype, registers
 ):
-  """The measured policy: fp8 pages with up to 12 packed rows at D 64, 16 at D 128 (there from 512
+  """The measured policy: fp8 pages with up to 12 packed rows at D 64, 24 at D 128 (there from 512
   (request, KV head) pairs on) convert K and V in registers, in the transposed tile with
   ``block_kv`` 64 (128-position pages make 128-position blocks, which it does not serve); at
   D 128 their ring, with no staging block beside it, takes 4 stages, at D 64 the usual 6."""
@@ -615,6 +619,8 @@ def test_default_config_converts_fp8_in_registers_for_few_rows(
   if registers:
     assert config.transposed_scores
     assert config.num_stages == {128: 4, 64: 6}[head_dim]
+  else:  # the staging block: transposed up to 16 rows, row tiles beyond
+    assert config.transposed_scores == (rows <= mosaic_gpu.DEFAULT_TRANSPOSED_MAX_ROWS)
   assert not default_config(head_dim, page_size, kv_dtype).fp8_in_registers  # rows unknown
 
 
@@ -1162,6 +1168,12 @@ LOWERING_CASES = [
     1,
     FP8,
     TuningConfig(transposed_scores=True, fp8_in_registers=True, num_stages=2),
+  ),
+  _g8_d128(
+    "fp8 bf16 G8 q3 K and V in registers",
+    3,
+    FP8,
+    TuningConfig(transposed_scores=True, fp8_in_registers=True, num_stages=4),
   ),
   (
     "fp8 f16 G12 q1 D64 K and V in registers",

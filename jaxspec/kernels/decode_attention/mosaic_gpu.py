@@ -176,8 +176,11 @@ DEFAULT_REGISTER_OPERANDS_MIN_PAIRS = 64
 # process: 12 rows (G 12) B64 L32k 1.12-1.14x, B128 L16k 1.11x, 16 rows (G 8 q_len 2) B64 L32k
 # 1.14x (benchmarks/results/decode_attention_fp8_pairs_ab_2026-12-05.json); H200, B64 L32k, against
 # the module before the pair loads: 8 rows 1.15x, 12 rows 1.17x
-# (benchmarks/results/decode_attention_fp8_pairs_ab_h200_2026-12-05.json).
-DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 16}
+# (benchmarks/results/decode_attention_fp8_pairs_ab_h200_2026-12-05.json). Beyond 16 rows, H200,
+# B64 L32k, against the row tiles' staging blocks: 24 rows (G 8 q_len 3, G 12 q_len 2) 1.06x,
+# 32 rows 0.92x, 40 rows 0.79x, 56 rows 0.57x (40 and 56 rows spill registers)
+# (benchmarks/results/decode_attention_fp8_register_rows_h200_2026-12-05.json).
+DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 24}
 DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 = 512
 # Their ring at D 128, where no staging block sits beside it: B64 L32k, 8 rows, 2 stages 1316 us,
 # 3 stages 1340, 4 stages 1241 and 1247, 6 stages 1567. At D 64 the staging-sized ring (6 stages)
@@ -330,8 +333,9 @@ def default_config(
 ) -> TuningConfig:
   """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves, and
   transposed scores for up to ``DEFAULT_TRANSPOSED_MAX_ROWS`` packed rows (``G * q_len``, when
-  given). With ``num_pairs`` (``B * Hkv``) below ``DEFAULT_REGISTER_OPERANDS_MIN_PAIRS``, Q and
-  P go through shared memory and more than 64 rows take 64-row tiles.
+  given; fp8 pages converted in registers take them up to ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``).
+  With ``num_pairs`` (``B * Hkv``) below ``DEFAULT_REGISTER_OPERANDS_MIN_PAIRS``, Q and P go
+  through shared memory and more than 64 rows take 64-row tiles.
 
   On the H200 a small ring that lets two work items share an SM beat a deep
   ring with one (B64 L32k q7: 2 stages 4.0 TB/s, 4 stages 3.2 TB/s). One chunk
@@ -353,7 +357,9 @@ def default_config(
   equal or slower, 0.67x at 56 rows. With fp8 pages (same ring, D 128): at 8 rows 1.47x at B64
   L32k (1403 against 2062 us) and 1.44x at B8 L32k, at 16 rows 1.13x at B64 L32k, at 24 rows
   0.87x, at 56 rows 0.59x. Few fp8 rows in many pairs also convert K and V in registers
-  (``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``; at D 128 with ``FP8_IN_REGISTERS_STAGES_D128``).
+  (``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``; at D 128 with ``FP8_IN_REGISTERS_STAGES_D128``), which
+  at D 128 with the 16-bit pair loads pays up to 24 rows, in the transposed tile, against the row
+  tiles' staging blocks.
   Transposed tiles on 16-bit pages sum the softmax denominators once per work item
   (``deferred_sum``) at D 64 and beyond 8 rows, where it ran 1.02-1.05x (D 64 B8 and B64 L32k,
   G 12 B8 L32k); at 8 rows and D 128 it ran 0.96-1.01x (B1, B8, B64 L32k) and with fp8 pages in
@@ -392,7 +398,9 @@ def default_config(
   num_stages = max(2, min(8, ring_budget // block_bytes))
   if fp8_in_registers and head_dim == 128:
     num_stages = FP8_IN_REGISTERS_STAGES_D128
-  transposed = num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS
+  # fp8 in registers runs in the transposed tile, also beyond DEFAULT_TRANSPOSED_MAX_ROWS.
+  few_rows = num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS
+  transposed = fp8_in_registers or few_rows
   if transposed and kv_itemsize == 2 and head_dim == 64:
     num_stages = TRANSPOSED_STAGES_D64
   # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once.
