@@ -1415,7 +1415,7 @@ def render_markdown(meta, rows, tuning):
       f"; fp8 pages with up to {fp8['max_rows_by_head_dim']['128']} rows at D 128 (from "
       f"{fp8['min_pairs_d128']} pairs, {fp8['stages_d128']} stages) and "
       f"{fp8['max_rows_by_head_dim']['64']} at D 64 convert K and V in registers "
-      "(fp8_in_registers=True)"
+      "(fp8_in_registers=True), in the transposed tile"
       if (fp8 := meta.get("default_fp8_in_registers"))
       else ""
     )
