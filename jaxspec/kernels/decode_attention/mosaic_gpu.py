@@ -357,9 +357,8 @@ def default_config(
   equal or slower, 0.67x at 56 rows. With fp8 pages (same ring, D 128): at 8 rows 1.47x at B64
   L32k (1403 against 2062 us) and 1.44x at B8 L32k, at 16 rows 1.13x at B64 L32k, at 24 rows
   0.87x, at 56 rows 0.59x. Few fp8 rows in many pairs also convert K and V in registers
-  (``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``; at D 128 with ``FP8_IN_REGISTERS_STAGES_D128``), which
-  at D 128 with the 16-bit pair loads pays up to 24 rows, in the transposed tile, against the row
-  tiles' staging blocks.
+  (``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``, measured beside it; at D 128 with
+  ``FP8_IN_REGISTERS_STAGES_D128``).
   Transposed tiles on 16-bit pages sum the softmax denominators once per work item
   (``deferred_sum``) at D 64 and beyond 8 rows, where it ran 1.02-1.05x (D 64 B8 and B64 L32k,
   G 12 B8 L32k); at 8 rows and D 128 it ran 0.96-1.01x (B1, B8, B64 L32k) and with fp8 pages in
