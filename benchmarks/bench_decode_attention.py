@@ -132,7 +132,9 @@ NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
 GLM_GROUP = 12  # GLM-4.5: 96 query heads over 8 KV heads
 DTYPE = jnp.bfloat16
 FP8 = jnp.float8_e4m3fn
-DATASHEET_TBPS = 4.8  # H200 HBM3e
+# HBM bandwidth on the datasheet, by a piece of jax's device_kind: H200 (HBM3e), H100 SXM
+# (HBM3, device_kind "NVIDIA H100 80GB HBM3"), H100 NVL, H100 PCIe. First match wins.
+DATASHEET_TBPS = (("H200", 4.8), ("H100 80GB HBM3", 3.35), ("H100 NVL", 3.9), ("H100 PCIe", 2.0))
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 XLA_CHECK_REQUESTS = 8  # ours is compared with the XLA reference on this many requests
 FP8_TARGET_RATIO = 1.8
@@ -578,6 +580,7 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=N
     "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
     "setup": f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
     + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
+    "datasheet_tbps": datasheet_tbps(jax.devices()[0].device_kind),
     "configs": {},
     "base": base,
   }
@@ -639,21 +642,31 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=N
   print(render_config_check(title, meta, rows))
 
 
+def datasheet_tbps(device_kind: str) -> float | None:
+  """The datasheet's HBM bandwidth (TB/s) of a jax ``device_kind``; None where unknown (CPU)."""
+  return next((tbps for name, tbps in DATASHEET_TBPS if name in device_kind), None)
+
+
+def _share(tbps: float, datasheet: float | None) -> str:
+  """Effective bandwidth as a share of the datasheet's, or "n/a" on an unknown device."""
+  return f"{100 * tbps / datasheet:.0f}%" if datasheet else "n/a"
+
+
 def render_config_check(title, meta, rows) -> str:
   """The markdown table of a ``config_check`` run."""
+  datasheet = meta.get("datasheet_tbps")
 
   def cell(entry):
     if "us" not in entry:
       return "fails"
-    share = 100 * entry["tbps"] / DATASHEET_TBPS
-    return f"{entry['us']:.1f} us / {entry['tbps']:.2f} ({share:.0f}%)"
+    return f"{entry['us']:.1f} us / {entry['tbps']:.2f} ({_share(entry['tbps'], datasheet)})"
 
   lines = [
     f"# {title}",
     "",
     f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}. "
     "Time per call / effective KV TB/s (unique KV bytes, in the pages' dtype, / time); "
-    f"share of the datasheet's {DATASHEET_TBPS} TB/s in brackets. 'default' is "
+    f"share of the datasheet's {datasheet or 'n/a'} TB/s in brackets. 'default' is "
     "`default_config(D, page, pages' dtype)` without the packed-row count (so 64-row tiles)"
     + ("".join(f", then {k}={v}" for k, v in (meta.get("base") or {}).items()))
     + ", 'variant' the config under test; both per shape in the JSON file.",
@@ -1219,7 +1232,7 @@ def main():
     + (", interpret-mode smoke run (not a measurement)" if args.smoke else ""),
     "flashinfer": flashinfer_note,
     "read_ceiling_tbps": read_tbps,  # shares below are of the datasheet figure
-    "datasheet_tbps": DATASHEET_TBPS,
+    "datasheet_tbps": datasheet_tbps(jax.devices()[0].device_kind),
     "timing": "jax: median steady-state time per call of a jitted batch of calls on distinct "
     "inputs (wall time of two back-to-back launches minus one); FlashInfer: CUDA events around "
     "the replay of a CUDA graph of back-to-back calls on distinct inputs; torch: CUDA events "
@@ -1385,8 +1398,8 @@ def render_markdown(meta, rows, tuning):
     f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}; "
     f"FlashInfer: {meta['flashinfer']}.",
     f"Timing: {meta['timing']}. Effective bandwidth = unique KV bytes / time (TB/s); "
-    f"share of the datasheet's {meta['datasheet_tbps']} TB/s; read ceiling measured in the "
-    "same process: "
+    f"share of the datasheet's {meta['datasheet_tbps'] or 'n/a'} TB/s; read ceiling measured in "
+    "the same process: "
     + (
       f"{ceiling:.2f} TB/s." if (ceiling := meta["read_ceiling_tbps"]) else "not valid in this run."
     ),
@@ -1441,7 +1454,7 @@ def render_markdown(meta, rows, tuning):
     ]
     for row in base:
       ours = row["ours"]
-      share = f"{100 * ours['tbps'] / meta['datasheet_tbps']:.0f}%" if "us" in ours else "-"
+      share = _share(ours["tbps"], meta["datasheet_tbps"]) if "us" in ours else "-"
       contenders = ("flashinfer", "triton_per_row", "xla", "torch_sdpa")
       cells = [_cell(row.get(c)) for c in contenders]
       ratios = [_ratio(row, c, "ours") for c in contenders]
