@@ -126,7 +126,9 @@ from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
   FP8_IN_REGISTERS_STAGES_D128,
   TuningConfig,
   default_config,
+  transposed_max_rows,
 )
+from jaxspec.kernels.dispatch import gpu_device_kind  # noqa: E402
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
 GLM_GROUP = 12  # GLM-4.5: 96 query heads over 8 KV heads
@@ -1240,6 +1242,9 @@ def main():
     "default_config": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE)),
     "default_config_fp8": dataclasses.asdict(default_config(HEAD_DIM, PAGE_SIZE, FP8)),
     "default_transposed_max_rows": DEFAULT_TRANSPOSED_MAX_ROWS,
+    "transposed_max_rows_16bit_here": {  # by head dim, on this device
+      str(d): transposed_max_rows(d, 2, gpu_device_kind()) for d in (64, 128)
+    },
     "default_register_operands_min_pairs": DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
     "default_page_ids_ahead_transposed_min_pairs": DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS,
     "default_fp8_in_registers": {
@@ -1417,6 +1422,12 @@ def render_markdown(meta, rows, tuning):
     + f"); transposed scores (transposed_scores=True) for up to "
     f"{meta.get('default_transposed_max_rows', 'n/a')} packed rows (G x q_len), 16-bit or "
     "fp8 pages"
+    + (
+      f" (16-bit pages on this device: up to {here['128']} rows at D 128, {here['64']} at D 64)"
+      if (here := meta.get("transposed_max_rows_16bit_here"))
+      and {here["128"], here["64"]} != {meta["default_transposed_max_rows"]}
+      else ""
+    )
     + (
       f"; from {pairs} (request, KV head) pairs Q and P reach wgmma from registers "
       "(operands_in_registers=True) and more than 64 rows on 16-bit pages take one 128-row tile "

@@ -55,6 +55,13 @@ def device_num_sms() -> int:
   return HOPPER_NUM_SMS
 
 
+@functools.cache
+def gpu_device_kind() -> str | None:
+  """The default GPU's ``device_kind`` (e.g. "NVIDIA H100 80GB HBM3"); None on other backends."""
+  device = jax.devices()[0]
+  return device.device_kind if device.platform == "gpu" else None
+
+
 def num_sms(config_value: int | None) -> int:
   """A config's ``num_sms`` when set, else the device's (see ``device_num_sms``)."""
   return device_num_sms() if config_value is None else config_value

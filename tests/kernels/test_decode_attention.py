@@ -282,6 +282,20 @@ TRANSPOSED_CASES = [
       TuningConfig(block_kv=128, num_stages=2, deferred_sum=True),
       False,
     ),
+    # default_config's forms beyond 16 rows on an H100 (TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE):
+    # 32 rows at D 128 with page ids ahead, 24 rows at D 64.
+    (
+      (200, 4, 0, 65),
+      4,
+      1,
+      8,
+      128,
+      16,
+      BF16,
+      TuningConfig(num_stages=2, deferred_sum=True, page_ids_ahead=True),
+      False,
+    ),
+    ((130, 3, 64), 3, 1, 8, 64, 16, BF16, TuningConfig(num_stages=2, deferred_sum=True), False),
   ]
 ]
 
@@ -541,6 +555,14 @@ def test_tuning_config_is_validated(field, value):
     TuningConfig(**{field: value})
 
 
+@pytest.fixture
+def no_device_rule(monkeypatch):
+  """The api's default config as on a device without a rule of its own (the H200's policy), so
+  that the policy tests below read the same on any machine."""
+  monkeypatch.setattr(api, "gpu_device_kind", lambda: None)
+
+
+@pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize(
   "q_len, group, kv_dtype, transposed",
   [(1, 8, BF16, True), (1, 12, F16, True), (2, 8, BF16, True), (3, 8, BF16, False)]
@@ -558,6 +580,7 @@ def test_default_config_transposes_scores_up_to_16_rows(q_len, group, kv_dtype, 
   assert api._default_config(q, pages).transposed_scores == transposed
 
 
+@pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize(
   "q_len, group, kv_dtype, two_warpgroups",
   [(5, 12, BF16, False), (6, 12, BF16, True), (7, 12, F16, True), (5, 16, BF16, True)]
@@ -577,6 +600,7 @@ def test_default_config_takes_one_128_row_tile_beyond_64_rows(
   assert api._default_config(q, pages).two_warpgroup_tiles == two_warpgroups
 
 
+@pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize("batch, registers", [(1, False), (31, False), (32, True), (64, True)])
 def test_default_config_keeps_operands_in_shared_memory_for_few_pairs(batch, registers):
   """The measured policy: below 64 (request, KV head) pairs (one request: each work item gets a
@@ -590,6 +614,7 @@ def test_default_config_keeps_operands_in_shared_memory_for_few_pairs(batch, reg
   assert default_config(128, 16, BF16, num_rows=84).operands_in_registers  # pairs unknown
 
 
+@pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize(
   "batch, q_len, group, head_dim, page_size, kv_dtype, registers",
   [(256, 1, 8, 128, 16, FP8, True), (256, 2, 4, 128, 32, FP8, True), (1, 1, 8, 64, 64, FP8, True)]
@@ -622,6 +647,41 @@ def test_default_config_converts_fp8_in_registers_for_few_rows(
   else:  # the staging block: transposed up to 16 rows, row tiles beyond
     assert config.transposed_scores == (rows <= mosaic_gpu.DEFAULT_TRANSPOSED_MAX_ROWS)
   assert not default_config(head_dim, page_size, kv_dtype).fp8_in_registers  # rows unknown
+
+
+H100_SXM = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize(
+  "device_kind, head_dim, q_len, kv_dtype, transposed",
+  [
+    (None, 128, 2, BF16, True),  # 16 rows: everywhere
+    (None, 128, 3, BF16, False),
+    ("NVIDIA H200", 128, 3, BF16, False),
+    (H100_SXM, 128, 3, BF16, True),  # 24 rows
+    (H100_SXM, 128, 4, BF16, True),  # 32 rows
+    (H100_SXM, 128, 5, BF16, False),
+    (H100_SXM, 64, 3, F16, True),
+    (H100_SXM, 64, 4, BF16, False),
+    (H100_SXM, 128, 4, FP8, False),  # fp8 pages: registers up to 24 rows, row tiles beyond
+  ],
+)
+def test_default_config_transposed_rows_follow_the_device(
+  device_kind, head_dim, q_len, kv_dtype, transposed, monkeypatch
+):
+  """16-bit pages take transposed scores up to 16 packed rows, on an H100 SXM up to 32 at D 128
+  and 24 at D 64 (measured there); the api hands ``default_config`` the GPU's device_kind. G 8,
+  B64 (512 (request, KV head) pairs)."""
+  monkeypatch.setattr(api, "gpu_device_kind", lambda: device_kind)
+  q = jax.ShapeDtypeStruct((64, q_len, 64, head_dim), BF16)
+  pages = jax.ShapeDtypeStruct((8, 64, 16, head_dim), kv_dtype)
+  config = api._default_config(q, pages)
+  assert config == default_config(head_dim, 16, kv_dtype, 8 * q_len, 512, device_kind)
+  assert config.transposed_scores == transposed
+  if transposed and kv_dtype != FP8:  # the 16-bit transposed tile's companions, as at 16 rows
+    assert config.deferred_sum
+    assert config.page_ids_ahead == (head_dim == 128)
+    assert not config.two_warpgroup_tiles
 
 
 def test_fp8_k_pairs_order_follows_the_wgmma_columns():
@@ -661,6 +721,7 @@ def test_default_config_gives_d64_transposed_tiles_two_stages():
   assert default_config(64, 16, FP8, num_rows=16).num_stages == 6
 
 
+@pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize(
   "q_len, group, head_dim, kv_dtype, overlap, deferred",
   [(1, 8, 128, BF16, False, False), (1, 8, 64, BF16, False, True), (1, 12, 128, F16, False, True)]
@@ -680,6 +741,7 @@ def test_default_config_overlaps_fp8_staging_and_defers_sums_where_measured(
   assert not default_config(head_dim, 16, kv_dtype).deferred_sum  # rows unknown: row tiles
 
 
+@pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize(
   "batch, q_len, group, head_dim, kv_dtype, ahead",
   [

@@ -10,7 +10,7 @@ import numpy as np
 from jaxspec.contracts import require
 from jaxspec.kernels.decode_attention import mosaic_gpu
 from jaxspec.kernels.decode_attention.reference import paged_decode_attention_reference
-from jaxspec.kernels.dispatch import KernelOp, check_impl
+from jaxspec.kernels.dispatch import KernelOp, check_impl, gpu_device_kind
 
 MAX_Q_LEN = 8
 Q_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -173,6 +173,7 @@ def _default_config(q, k_pages, *_, **__) -> mosaic_gpu.TuningConfig:
     k_pages.dtype,
     num_rows=mosaic_gpu.packed_rows(q, k_pages),
     num_pairs=q.shape[0] * k_pages.shape[0],
+    device_kind=gpu_device_kind(),
   )
 
 

@@ -149,9 +149,16 @@ CONSUMER_REGISTERS = 232
 TRANSPOSED_ROW_ALIGN = 8
 MAX_TRANSPOSED_ROWS = 128
 # default_config's transposed tiles: up to this many packed rows, with 16-bit and fp8 pages
-# (measured in benchmarks/results/decode_attention_transposed.md and
+# (measured on the H200 in benchmarks/results/decode_attention_transposed.md and
 # decode_attention_fp8_transposed.md; 24 rows and more ran slower).
 DEFAULT_TRANSPOSED_MAX_ROWS = 16
+# ... and with 16-bit pages on the devices named here (a piece of jax's device_kind), by head dim.
+# H100 SXM (3.35 TB/s, where the row tile's extra work hides less under the reads than on the
+# H200's 4.8), same process, three interleaved timings, against the 64-row tile: 24 rows (G 8
+# q_len 3) 1.003-1.083x over B1-B64, L8k-L32k and a ragged batch (B1 L8k 22.8 against 24.7 us),
+# also at G 12 q_len 2 and D 64; 32 rows (G 8 q_len 4) 1.004-1.025x; 40 rows 0.998-1.001x
+# (benchmarks/results/decode_attention_transposed_rows_h100_2026-12-05.json).
+TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE = (("H100 80GB HBM3", {128: 32, 64: 24}),)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # q (and 16-bit pages)
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -330,10 +337,12 @@ def default_config(
   kv_dtype=jnp.bfloat16,
   num_rows: int | None = None,
   num_pairs: int | None = None,
+  device_kind: str | None = None,
 ) -> TuningConfig:
   """Heuristic defaults: 64-position blocks, a ring of ~64 KiB of K/V, 4 balanced waves, and
   transposed scores for up to ``DEFAULT_TRANSPOSED_MAX_ROWS`` packed rows (``G * q_len``, when
-  given; fp8 pages converted in registers take them up to ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``).
+  given; fp8 pages converted in registers take them up to ``DEFAULT_FP8_IN_REGISTERS_MAX_ROWS``,
+  16-bit pages on a ``device_kind`` in ``TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE`` up to its figure).
   With ``num_pairs`` (``B * Hkv``) below ``DEFAULT_REGISTER_OPERANDS_MIN_PAIRS``, Q and P go
   through shared memory and more than 64 rows take 64-row tiles.
 
@@ -398,7 +407,9 @@ def default_config(
   if fp8_in_registers and head_dim == 128:
     num_stages = FP8_IN_REGISTERS_STAGES_D128
   # fp8 in registers runs in the transposed tile, also beyond DEFAULT_TRANSPOSED_MAX_ROWS.
-  few_rows = num_rows is not None and num_rows <= DEFAULT_TRANSPOSED_MAX_ROWS
+  few_rows = num_rows is not None and num_rows <= transposed_max_rows(
+    head_dim, kv_itemsize, device_kind
+  )
   transposed = fp8_in_registers or few_rows
   if transposed and kv_itemsize == 2 and head_dim == 64:
     num_stages = TRANSPOSED_STAGES_D64
@@ -427,6 +438,17 @@ def default_config(
     page_ids_ahead=two_warpgroup_tiles or wide_transposed_16bit,
     producer_warpgroup=two_warpgroup_tiles,
   )
+
+
+def transposed_max_rows(head_dim: int, kv_itemsize: int, device_kind: str | None) -> int:
+  """The most packed rows ``default_config`` gives transposed scores to (without fp8 in
+  registers): ``DEFAULT_TRANSPOSED_MAX_ROWS``, or for 16-bit pages on a device of
+  ``TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE`` its figure at ``head_dim``."""
+  if kv_itemsize == 2 and device_kind is not None:
+    for name, by_head_dim in TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE:
+      if name in device_kind:
+        return by_head_dim.get(head_dim, DEFAULT_TRANSPOSED_MAX_ROWS)
+  return DEFAULT_TRANSPOSED_MAX_ROWS
 
 
 def smem_bytes(
