@@ -55,6 +55,11 @@ B64, L 8k and 32k, q_len 6 and 7, and writes ``results/two_warpgroup_tiles.{json
 twice (``results/decode_attention_transposed.{json,md}``); ``--fp8-transposed-check`` the same on
 fp8 pages at B8 and B64 L32k (``results/decode_attention_fp8_transposed.{json,md}``).
 
+``--transposed-rows-check`` instead times, on 16-bit pages at 24, 32 and 40 packed rows (B1 to
+B64, D 128 and 64), the 64-row tile against the transposed tile, each as ``default_config``
+builds it, three interleaved timings each: where the device's transposed-row limit should lie
+(``results/decode_attention_transposed_rows.{json,md}``).
+
 ``--register-check`` instead times our row tiles with Q and P in registers against shared
 memory (``TuningConfig.operands_in_registers``) at B1, B2, B4 and B8, L 8k and 32k, G 8 q_len 3/7
 and G 12 q_len 6: where the default's threshold on the (request, KV head) pairs should lie
@@ -655,8 +660,15 @@ def _share(tbps: float, datasheet: float | None) -> str:
 
 
 def render_config_check(title, meta, rows) -> str:
-  """The markdown table of a ``config_check`` run."""
+  """The markdown table of a ``config_check`` run (or one with the same rows whose ``meta``
+  carries its own ``legend`` of the two columns)."""
   datasheet = meta.get("datasheet_tbps")
+  legend = meta.get("legend") or (
+    "'default' is `default_config(D, page, pages' dtype)` without the packed-row count (so 64-row "
+    "tiles)"
+    + ("".join(f", then {k}={v}" for k, v in (meta.get("base") or {}).items()))
+    + ", 'variant' the config under test; both per shape in the JSON file."
+  )
 
   def cell(entry):
     if "us" not in entry:
@@ -668,10 +680,7 @@ def render_config_check(title, meta, rows) -> str:
     "",
     f"{meta['gpu']}, jax {meta['jax']}, {meta['date']}; {meta['setup']}. "
     "Time per call / effective KV TB/s (unique KV bytes, in the pages' dtype, / time); "
-    f"share of the datasheet's {datasheet or 'n/a'} TB/s in brackets. 'default' is "
-    "`default_config(D, page, pages' dtype)` without the packed-row count (so 64-row tiles)"
-    + ("".join(f", then {k}={v}" for k, v in (meta.get("base") or {}).items()))
-    + ", 'variant' the config under test; both per shape in the JSON file.",
+    f"share of the datasheet's {datasheet or 'n/a'} TB/s in brackets. " + legend,
     "",
     "| shape | q_len | G | D | default | variant | speedup | max abs difference |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -954,6 +963,84 @@ def producer_check(rng, out_dir, smoke=False):
   )
 
 
+def transposed_rows_check(rng, out_dir, smoke=False):
+  """Where transposed scores stop paying on 16-bit pages: 24, 32 and 40 packed rows (G 8 q_len
+  3-5, G 12 q_len 2, D 128 and 64), the 64-row tile (default) against the transposed tile
+  (variant), each as ``default_config`` builds it for the shape's rows and (request, KV head)
+  pairs on a device without a rule of its own, the transposed one as for 16 rows. Three
+  interleaved timings of each (the median in the table). ``TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE``
+  rests on this check (``results/decode_attention_transposed_rows.{json,md}``)."""
+  b64_32k, b64_8k = [32768] * 64, [8192] * 64
+  shapes = [  # (name, seq_lens, q_lens, G, D)
+    ("B1 L8k", [8192], (3, 4), GROUP, HEAD_DIM),
+    ("B1 L32k", [32768], (3,), GROUP, HEAD_DIM),
+    ("B8 L8k", [8192] * 8, (3, 4, 5), GROUP, HEAD_DIM),
+    ("B8 L32k", [32768] * 8, (3, 4), GROUP, HEAD_DIM),
+    ("B64 L8k", b64_8k, (3, 4), GROUP, HEAD_DIM),
+    ("B64 L32k", b64_32k, (3, 4, 5), GROUP, HEAD_DIM),
+    ("B64 ragged 1k..32k", rng.integers(1024, 32768 + 1, size=64), (3,), GROUP, HEAD_DIM),
+    ("B64 L32k", b64_32k, (2,), GLM_GROUP, HEAD_DIM),
+    ("B64 L32k", b64_32k, (3, 4), GROUP, 64),
+  ]
+  if smoke:
+    shapes = [("B2 L200", [200, 77], (3,), GROUP, 64)]
+  meta = {
+    "gpu": jax.devices()[0].device_kind,
+    "jax": jax.__version__,
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "setup": f"bf16, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
+    + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
+    "datasheet_tbps": datasheet_tbps(jax.devices()[0].device_kind),
+    "legend": "'default' is `default_config(D, page, bf16, G * q_len, B * Hkv)` (the 64-row "
+    "tile), 'variant' the same as for 16 rows (the transposed tile); each the median of three "
+    "interleaved timings, all three in the JSON file.",
+    "configs": {},
+  }
+  rows = []
+  for name, seq_lens, q_lens, group, head_dim in shapes:
+    batch = make_batch(rng, seq_lens, head_dim, pad_to=8 if smoke else 128)
+    pairs = len(seq_lens) * NUM_KV_HEADS
+    for q_len in q_lens:
+      configs = {
+        label: default_config(head_dim, PAGE_SIZE, DTYPE, rows, pairs)
+        for label, rows in (("default", group * q_len), ("variant", DEFAULT_TRANSPOSED_MAX_ROWS))
+      }
+      if smoke:  # interpret mode: tiny and unsplit
+        configs = {k: dataclasses.replace(c, num_chunks=1) for k, c in configs.items()}
+      key = f"{name} q{q_len} G{group} D{head_dim}"
+      meta["configs"][key] = {k: dataclasses.asdict(c) for k, c in configs.items()}
+      count = 1 if smoke else min(16, inner_count(batch.kv_bytes))  # bounds compile time
+      queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group, head_dim=head_dim)
+      outputs = {
+        label: _ours("pallas", config, smoke)(batch.variants(queries)[0], *batch.rest_args)
+        for label, config in configs.items()
+      }
+      timings = {label: [] for label in configs}
+      for _ in range(1 if smoke else 3):
+        for label, config in configs.items():
+          timing = {"reps": 1, "warmup": 0} if smoke else {}
+          timings[label].append(time_ours(batch, queries, config, interpret=smoke, **timing))
+      row = {"shape": name, "q_len": q_len, "G": group, "D": head_dim, "kv_bytes": batch.kv_bytes}
+      for label, seconds in timings.items():
+        median = float(np.median(seconds))
+        row[label] = {
+          "us": median * 1e6,
+          "tbps": batch.kv_bytes / median / 1e12,
+          "timings_us": [t * 1e6 for t in seconds],
+        }
+      difference = outputs["variant"].astype(jnp.float32) - outputs["default"].astype(jnp.float32)
+      row["max_abs_difference"] = float(jnp.max(jnp.abs(difference)))
+      print(key, {k: row[k]["timings_us"] for k in configs}, flush=True)
+      rows.append(row)
+    del batch
+    stem = out_dir / "decode_attention_transposed_rows"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem.with_suffix(".md").write_text(
+      render_config_check("16-bit pages beyond 16 rows: 64-row / transposed tile", meta, rows)
+    )
+  print(render_config_check("16-bit pages beyond 16 rows: 64-row / transposed tile", meta, rows))
+
+
 def d64_stage_sweep(rng, out_dir, smoke=False):
   """The ring depth of transposed tiles at D 64 on 16-bit pages (q_len 1, with the denominators
   summed once, as ``default_config`` runs them): 2, 3, 6 and 8 stages against 4. Writes
@@ -1127,6 +1214,12 @@ def main():
     help="only: the same on fp8 pages (decode_attention_fp8_transposed.*)",
   )
   parser.add_argument(
+    "--transposed-rows-check",
+    action="store_true",
+    help="only: 64-row against transposed tiles at 24-40 rows on 16-bit pages "
+    "(decode_attention_transposed_rows.*)",
+  )
+  parser.add_argument(
     "--register-check",
     action="store_true",
     help="only: Q and P in registers against shared memory at B1-B8 "
@@ -1202,6 +1295,7 @@ def main():
     "deferred_sum_check": deferred_sum_check,
     "page_ids_ahead_check": page_ids_ahead_check,
     "producer_check": producer_check,
+    "transposed_rows_check": transposed_rows_check,
   }
   for flag, check in checks.items():
     if getattr(args, flag):
