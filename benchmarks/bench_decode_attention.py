@@ -571,6 +571,26 @@ def benchmark_shapes(rng, quick: bool, flashinfer: bool, smoke: bool) -> list[Sh
   return shapes
 
 
+def _check_meta(setup: str, smoke: bool, **extra) -> dict:
+  """The header of a config check's results: device, versions, date, ``setup``, datasheet."""
+  kind = jax.devices()[0].device_kind
+  return {
+    "gpu": kind,
+    "jax": jax.__version__,
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "setup": setup + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
+    "datasheet_tbps": datasheet_tbps(kind),
+    **extra,
+  }
+
+
+def _save_check(out_dir, stem, title, meta, rows) -> None:
+  """Writes a config check's ``results/{stem}.{json,md}`` (after every shape: a run cut short
+  keeps the shapes it finished)."""
+  (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  (out_dir / f"{stem}.md").write_text(render_config_check(title, meta, rows))
+
+
 def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=None):
   """Our kernel under its default config (with the fields of the dict ``base`` replaced, when
   given) against ``variant`` of that, on the same inputs.
@@ -581,16 +601,9 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=N
   a run cut short keeps the shapes it finished.
   """
   timing = {"reps": 1, "warmup": 0} if smoke else {}
-  meta = {
-    "gpu": jax.devices()[0].device_kind,
-    "jax": jax.__version__,
-    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    "setup": f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
-    + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
-    "datasheet_tbps": datasheet_tbps(jax.devices()[0].device_kind),
-    "configs": {},
-    "base": base,
-  }
+  meta = _check_meta(
+    f"bf16 queries, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}", smoke, configs={}, base=base
+  )
   rows = []
   for name, seq_lens, q_lens, group, head_dim, fp8 in shapes:
     old_config = default_config(head_dim, PAGE_SIZE, FP8 if fp8 else DTYPE)
@@ -644,8 +657,7 @@ def config_check(rng, out_dir, stem, title, variant, shapes, smoke=False, base=N
         row["max_abs_difference"] = float(jnp.max(difference))
       rows.append(row)
     del batch
-    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out_dir / f"{stem}.md").write_text(render_config_check(title, meta, rows))
+    _save_check(out_dir, stem, title, meta, rows)
   print(render_config_check(title, meta, rows))
 
 
@@ -984,18 +996,16 @@ def transposed_rows_check(rng, out_dir, smoke=False):
   ]
   if smoke:
     shapes = [("B2 L200", [200, 77], (3,), GROUP, 64)]
-  meta = {
-    "gpu": jax.devices()[0].device_kind,
-    "jax": jax.__version__,
-    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    "setup": f"bf16, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}"
-    + (", interpret-mode smoke run (not a measurement)" if smoke else ""),
-    "datasheet_tbps": datasheet_tbps(jax.devices()[0].device_kind),
-    "legend": "'default' is `default_config(D, page, bf16, G * q_len, B * Hkv)` (the 64-row "
+  meta = _check_meta(
+    f"bf16, Hkv {NUM_KV_HEADS}, page {PAGE_SIZE}",
+    smoke,
+    legend="'default' is `default_config(D, page, bf16, G * q_len, B * Hkv)` (the 64-row "
     "tile), 'variant' the same as for 16 rows (the transposed tile); each the median of three "
     "interleaved timings, all three in the JSON file.",
-    "configs": {},
-  }
+    configs={},
+  )
+  title = "16-bit pages beyond 16 rows: 64-row / transposed tile"
+  timing = {"reps": 1, "warmup": 0} if smoke else {}
   rows = []
   for name, seq_lens, q_lens, group, head_dim in shapes:
     batch = make_batch(rng, seq_lens, head_dim, pad_to=8 if smoke else 128)
@@ -1011,14 +1021,14 @@ def transposed_rows_check(rng, out_dir, smoke=False):
       meta["configs"][key] = {k: dataclasses.asdict(c) for k, c in configs.items()}
       count = 1 if smoke else min(16, inner_count(batch.kv_bytes))  # bounds compile time
       queries = fresh_queries(rng, len(seq_lens), q_len, count, group=group, head_dim=head_dim)
+      first = batch.variants(queries)[0]
       outputs = {
-        label: _ours("pallas", config, smoke)(batch.variants(queries)[0], *batch.rest_args)
+        label: _ours("pallas", config, smoke)(first, *batch.rest_args)
         for label, config in configs.items()
       }
       timings = {label: [] for label in configs}
       for _ in range(1 if smoke else 3):
         for label, config in configs.items():
-          timing = {"reps": 1, "warmup": 0} if smoke else {}
           timings[label].append(time_ours(batch, queries, config, interpret=smoke, **timing))
       row = {"shape": name, "q_len": q_len, "G": group, "D": head_dim, "kv_bytes": batch.kv_bytes}
       for label, seconds in timings.items():
@@ -1033,12 +1043,8 @@ def transposed_rows_check(rng, out_dir, smoke=False):
       print(key, {k: row[k]["timings_us"] for k in configs}, flush=True)
       rows.append(row)
     del batch
-    stem = out_dir / "decode_attention_transposed_rows"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    stem.with_suffix(".md").write_text(
-      render_config_check("16-bit pages beyond 16 rows: 64-row / transposed tile", meta, rows)
-    )
-  print(render_config_check("16-bit pages beyond 16 rows: 64-row / transposed tile", meta, rows))
+    _save_check(out_dir, "decode_attention_transposed_rows", title, meta, rows)
+  print(render_config_check(title, meta, rows))
 
 
 def d64_stage_sweep(rng, out_dir, smoke=False):
