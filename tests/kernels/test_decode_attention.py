@@ -366,6 +366,17 @@ MERGE_KERNEL_CASES = [
   KernelCase(
     (129, 2, 7), 3, 2, 3, 128, 16, F16, TuningConfig(num_chunks=3, merge_kernel=True), fp8=True
   ),
+  # transposed scores tiles (12 rows, one tile of 16 merged as [D, 16])
+  KernelCase(
+    (300, 5, 0, 70),
+    3,
+    2,
+    4,
+    64,
+    16,
+    BF16,
+    TuningConfig(num_stages=2, num_chunks=4, transposed_scores=True, merge_kernel=True),
+  ),
 ]
 
 
@@ -396,14 +407,28 @@ def test_kernel_matches_float64(case, interpret):
 
 @pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
 @pytest.mark.parametrize(
-  "q_len, group, head_dim, dtype, num_chunks",
-  [(6, 12, 64, BF16, 3), (1, 1, 128, F16, 2), (5, 3, 128, BF16, 4), (8, 16, 64, BF16, 2)],
+  "q_len, group, head_dim, dtype, num_chunks, tile_rows",
+  [
+    (6, 12, 64, BF16, 3, 64),
+    (1, 1, 128, F16, 2, 64),
+    (5, 3, 128, BF16, 4, 64),
+    (8, 16, 64, BF16, 2, 64),
+    # more chunks than the ring's slots: every slot refilled (11 slots of 64 rows at D 128)
+    (1, 8, 128, BF16, 13, 64),
+    # transposed scores tiles, merged as [D, N]: 8 rows beyond the 32 slots, 56 rows beyond 13
+    (1, 8, 128, BF16, 40, 8),
+    (7, 8, 128, F16, 16, 56),
+    (2, 6, 64, BF16, 3, 16),
+  ],
 )
-def test_merge_kernel_matches_the_xla_merge(q_len, group, head_dim, dtype, num_chunks, interpret):
+def test_merge_kernel_matches_the_xla_merge(
+  q_len, group, head_dim, dtype, num_chunks, tile_rows, interpret
+):
   """Random chunk partials; some chunks saw nothing (lse -inf, NaN tiles), one row saw nothing
-  in any chunk. The kernel's merged and unpacked rows equal XLA's merge and unpacking."""
+  in any chunk. The kernel's merged and unpacked rows equal XLA's merge and unpacking, for row
+  tiles of 64 and for a transposed scores tile (``tile_rows`` a multiple of 8, not of 64)."""
   batch, num_kv_heads, num_rows = 2, 2, q_len * group
-  padded_rows = -(-num_rows // 64) * 64
+  padded_rows = -(-num_rows // tile_rows) * tile_rows
   rng = np.random.default_rng(num_rows + num_chunks)
   shape = (batch, num_chunks, num_kv_heads, padded_rows)
   lse = rng.uniform(-6.0, 6.0, shape).astype(np.float32)
@@ -430,6 +455,15 @@ def test_merge_kernel_matches_the_xla_merge(q_len, group, head_dim, dtype, num_c
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   tol = 2e-2 if dtype == BF16 else 4e-3
   chex.assert_trees_all_close(out.astype(F32), expected.astype(F32), atol=tol, rtol=tol)
+
+
+def test_merge_ring_slots():
+  """The ring sizes the refill cases above rely on: one slot per chunk up to the byte budget
+  (64 rows at D 128: 11 slots; 56 rows: 13) and to the 32 barriers the GPU lowers."""
+  assert mosaic_gpu.merge_ring_slots(13, 64, 128, 2) == 11
+  assert mosaic_gpu.merge_ring_slots(16, 56, 128, 2) == 13
+  assert mosaic_gpu.merge_ring_slots(40, 8, 128, 2) == 32
+  assert mosaic_gpu.merge_ring_slots(3, 16, 64, 2) == 3
 
 
 @pytest.mark.parametrize("num_chunks", [2, 3, 16])
@@ -503,13 +537,6 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
     *inputs.arrays, impl="auto", interpret=True, config=config, **inputs.scales
   )
   check(out, inputs)
-  # The merge kernel serves 64-row tiles only: with transposed scores it is refused, and auto
-  # falls back to the XLA path.
-  inputs = make_inputs(rng, [9, 20], 1, 1, 8, 64, 16, BF16)
-  config = TuningConfig(num_chunks=2, merge_kernel=True, transposed_scores=True)
-  with pytest.raises(ValueError, match="merge_kernel serves 64-row tiles only"):
-    paged_decode_attention(*inputs.arrays, impl="pallas", interpret=True, config=config)
-  check(paged_decode_attention(*inputs.arrays, impl="auto", interpret=True, config=config), inputs)
   # fp8 blocks in registers take 64-position blocks only: refused at 128, auto takes XLA.
   inputs = make_inputs(rng, [9, 20], 1, 1, 8, 64, 16, BF16, fp8=True)
   config = TuningConfig(block_kv=128, transposed_scores=True, fp8_in_registers=True)

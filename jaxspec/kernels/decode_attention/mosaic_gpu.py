@@ -164,6 +164,12 @@ FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 _SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on Hopper
+_F32_PER_LINE = 32  # float32 values in a 128-byte shared-memory line
+# merge_chunks_mosaic_gpu's ring of chunk tiles: at most this many bytes of slots (a 64-row tile
+# at D 128 is 16 KiB: 11 slots), and at most this many slots (jax 0.11.2 lowers a Barrier group
+# of at most 32 on the GPU; GPU interpret mode runs more).
+MERGE_RING_BYTES = 192 * 1024
+MERGE_RING_MAX_SLOTS = 32
 _LOG2E = math.log2(math.e)
 BALANCED_MAX_CHUNKS = 16  # chunks per request at most with balance_waves, unless num_chunks says
 DEFAULT_BALANCE_WAVES = 4
@@ -263,9 +269,11 @@ class TuningConfig:
     num_sms: SMs the grid is sized for; ``None`` asks the device (132 on an H100/H200).
     merge_kernel: when a call splits the KV into chunks, merge them and write the unpacked
       ``[B, q_len, Hq, D]`` rows in one small Mosaic GPU kernel (``merge_chunks_mosaic_gpu``)
-      instead of XLA's merge fusions and row transpose. Off by default: slower where it
-      was measured (H200, B1 L8k: 24.1 against 20.9 us at q_len 7, 26.1 against 21.4 at q_len 1;
-      ``benchmarks/results/decode_attention_tuning.md``).
+      instead of XLA's merge fusions and row transpose. Off by default: its first version,
+      which streamed the chunks through two slots, was slower where it was measured (H200, B1
+      L8k: 24.1 against 20.9 us at q_len 7, 26.1 against 21.4 at q_len 1;
+      ``benchmarks/results/decode_attention_tuning.md``); the ring of chunk tiles that
+      replaced it is not yet timed.
     fp8_8bit_layout: fp8 pages: load each fp8 block into registers in the 8-bit wgmma layout
       (4 consecutive bytes per thread and vector: half the shared-memory loads, and 8-byte
       stores of the converted values) instead of the 16-bit one (2 bytes). ``default_config``
@@ -539,8 +547,6 @@ def unsupported_reason(
     and config.block_kv != 64
   ):
     return f"fp8_in_registers needs block_kv 64, got {config.block_kv}"
-  if config.merge_kernel and _transposed_rows(q, k_pages, config) is not None:
-    return "merge_kernel serves 64-row tiles only, not transposed_scores tiles"
   group = q.shape[2] // k_pages.shape[0]
   capacity = block_tables.shape[1] * page_size
   if (capacity + config.block_kv + 2 * q.shape[1]) * group >= 2**31:
@@ -1310,84 +1316,113 @@ def merge_chunks_mosaic_gpu(
 ) -> jax.Array:  # [B, q_len, Hkv * G, D], partial_out.dtype
   """``merge_chunks`` and the row unpacking in one Mosaic GPU kernel.
 
-  One program per (KV head, row tile, request) streams the request's ``C`` chunk tiles through
-  two shared-memory slots (the next chunk's TMA copy runs while this one is merged) and merges
-  them online in a fixed order: with ``M`` the running max of the chunks' lse,
+  One program per (KV head, row tile, request) merges the request's ``C`` chunk tiles online in
+  a fixed order: with ``M`` the running max of the chunks' lse,
   ``acc = acc * 2^(M_old - M) + 2^(lse_c - M) o_c`` and ``l`` likewise, so the result is
   ``merge_chunks``' up to float32 rounding. Chunks that saw nothing (lse -inf) have weight 0
   and are selected away (their tiles are unwritten); NaN in an lse reaches the output as in
   ``merge_chunks``. The merged tile goes straight to the output: packed row ``r = j * G + g``
   is row ``(j, h * G + g)`` of its request, so the tile's rows of token ``j`` are one TMA copy
   of at most ``G`` contiguous rows.
+
+  The tiles stream through a ring of ``merge_ring_slots`` shared-memory slots, all filled at
+  the start (chunk ``c`` issued by warp ``c % 4``, see the attention kernel's ``fetch``) and each
+  refilled with the chunk ``slots`` ahead as soon as it is read, so the copies' latency is paid
+  about once per ring rather than once per chunk. Row tiles are 64 rows, merged as ``[64, D]``;
+  a transposed scores tile of ``N`` rows (``N`` a multiple of 8, not of 64) is merged whole as
+  ``[D, N]``, the orientation it was computed in (rows on the wgmma N axis), so that a slot holds
+  just its ``N`` rows.
   """
   num_items, num_kv_heads, padded_rows, head_dim = partial_out.shape
   batch = num_items // num_chunks
   num_rows = q_len * group
-  row_tiles = padded_rows // ROWS_PER_TILE
   dtype = partial_out.dtype
+  # Rows of one merged tile, and the axis of the rows in its register array.
+  transposed = padded_rows % ROWS_PER_TILE != 0
+  tile_rows = padded_rows if transposed else ROWS_PER_TILE
+  row_tiles = padded_rows // tile_rows
+  row_axis, dim_axis = (1, 0) if transposed else (0, 1)
+  slots = merge_ring_slots(num_chunks, tile_rows, head_dim, jnp.dtype(dtype).itemsize)
+  # A TMA copy's shared-memory destination starts on a 128-byte line: each slot's lse is padded
+  # to whole lines (interpret mode does not model that alignment; the GPU faults without it).
+  lse_stride = pl.cdiv(tile_rows, _F32_PER_LINE) * _F32_PER_LINE
 
   def merge_chunks_kernel(
     tiles_ref,  # GMEM [B * C, Hkv, R, D]
     lse_ref,  # GMEM f32 [B * C, Hkv, R]
     out_ref,  # GMEM [B, q_len, Hq, D]
-    tile_smem,  # [2, 64, D]
-    lse_smem,  # f32 [2, 64]
-    merged_smem,  # [64, D], unswizzled so that any run of rows can be copied out
-    barriers,  # [2], two arrivals: the tile and its lse
+    tile_smem,  # [slots, tile_rows, D]
+    lse_smem,  # f32 [slots, lse_stride], the first tile_rows of each used
+    merged_smem,  # [tile_rows, D], unswizzled so that any run of rows can be copied out
+    barriers,  # [slots], two arrivals: the tile and its lse
   ):
     kv_head = lax.axis_index("kv_head")
     row_tile = lax.axis_index("row_tile")
     request = lax.axis_index("request")
-    rows = pl.ds(row_tile * ROWS_PER_TILE, ROWS_PER_TILE)
+    rows = pl.ds(row_tile * tile_rows, tile_rows)
 
     def fetch(chunk, slot):
       item = request * num_chunks + chunk
       plgpu.copy_gmem_to_smem(
         tiles_ref.at[item, kv_head, rows], tile_smem.at[slot], barriers.at[slot]
       )
-      plgpu.copy_gmem_to_smem(lse_ref.at[item, kv_head, rows], lse_smem.at[slot], barriers.at[slot])
+      plgpu.copy_gmem_to_smem(
+        lse_ref.at[item, kv_head, rows],
+        lse_smem.at[slot, pl.ds(0, tile_rows)],
+        barriers.at[slot],
+      )
 
-    fetch(0, 0)
+    @pl.kernel(mesh=plgpu.WarpMesh(axis_name="warp"))
+    def fill_ring():
+      warp = lax.axis_index("warp")
+      for chunk in range(slots):
+        pl.when(warp == chunk % WARPS_PER_WARPGROUP)(functools.partial(fetch, chunk, chunk))
+
+    fill_ring()
+    row_layout = plgpu.Layout.WGMMA.reduce(dim_axis)
+    tile_shape = (head_dim, tile_rows) if transposed else (tile_rows, head_dim)
+
+    def rows_of(vector):
+      return lax.broadcast_in_dim(vector, tile_shape, [row_axis])
 
     def step(chunk, carry):
       acc, m_i, l_i = carry
-      slot = lax.rem(chunk, 2)
-
-      @pl.when(chunk + 1 < num_chunks)
-      def _prefetch():
-        plgpu.commit_smem()  # orders the last reads of the other slot before its refill
-        fetch(chunk + 1, 1 - slot)
-
+      slot = lax.rem(chunk, slots)
       plgpu.barrier_wait(barriers.at[slot])
-      lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
-      tile = plgpu.load(tile_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      lse = plgpu.load(lse_smem.at[slot, pl.ds(0, tile_rows)], layout=row_layout)
+      tile_ref = tile_smem.at[slot]
+      tile_ref = tile_ref.transpose((1, 0)) if transposed else tile_ref
+      tile = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+      @pl.when(chunk + slots < num_chunks)
+      def _refill():
+        plgpu.commit_smem()  # orders this step's reads of the slot before its refill
+        fetch(chunk + slots, slot)
+
       m_new = jnp.maximum(m_i, lse)
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: no inf - inf
       alpha = jnp.exp2(m_i - m_shift)
       weight = jnp.exp2(lse - m_shift)  # 0 for a chunk that saw nothing
-
-      def rows_of(vector):
-        return lax.broadcast_in_dim(vector, tile.shape, [0])
-
       tile = jnp.where(rows_of(weight > 0.0), tile, 0.0)  # unwritten tiles: 0 * NaN = NaN
       acc = acc * rows_of(alpha) + rows_of(weight) * tile
       return acc, m_new, l_i * alpha + weight
 
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    m_i = plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), -jnp.inf, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), 0.0, jnp.float32), row_layout)
-    acc = plgpu.layout_cast(
-      jnp.full((ROWS_PER_TILE, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA
-    )
+    m_i = plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout)
+    l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
+    acc = plgpu.layout_cast(jnp.full(tile_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
     acc, _, l_i = lax.fori_loop(0, num_chunks, step, (acc, m_i, l_i))
     inv_l = 1.0 / jnp.where(l_i > 0.0, l_i, 1.0)  # rows no chunk saw: acc = 0
-    merged_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+    merged = (acc * rows_of(inv_l)).astype(dtype)
+    if transposed:
+      merged_smem.transpose((1, 0))[...] = merged
+    else:
+      merged_smem[...] = merged
     plgpu.commit_smem()
 
     def store_rows(tile_start):
       for j in range(q_len):  # token j: packed rows [j * G, (j + 1) * G) of this tile
         first = max(j * group, tile_start)
-        last = min((j + 1) * group, tile_start + ROWS_PER_TILE, num_rows)
+        last = min((j + 1) * group, tile_start + tile_rows, num_rows)
         if first < last:
           plgpu.copy_smem_to_gmem(
             merged_smem.at[pl.ds(first - tile_start, last - first)],
@@ -1395,7 +1430,7 @@ def merge_chunks_mosaic_gpu(
           )
 
     for tile_index in range(row_tiles):  # the rows' tokens are static per tile
-      pl.when(row_tile == tile_index)(functools.partial(store_rows, tile_index * ROWS_PER_TILE))
+      pl.when(row_tile == tile_index)(functools.partial(store_rows, tile_index * tile_rows))
     plgpu.wait_smem_to_gmem(0)
 
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -1403,12 +1438,19 @@ def merge_chunks_mosaic_gpu(
     merge_chunks_kernel,
     out_type=jax.ShapeDtypeStruct((batch, q_len, num_kv_heads * group, head_dim), dtype),
     scratch_types=[
-      plgpu.SMEM((2, ROWS_PER_TILE, head_dim), dtype, transforms=transforms),
-      plgpu.SMEM((2, ROWS_PER_TILE), jnp.float32),
-      plgpu.SMEM((ROWS_PER_TILE, head_dim), dtype),
-      plgpu.Barrier(num_arrivals=2, num_barriers=2),
+      plgpu.SMEM((slots, tile_rows, head_dim), dtype, transforms=transforms),
+      plgpu.SMEM((slots, lse_stride), jnp.float32),
+      plgpu.SMEM((tile_rows, head_dim), dtype),
+      plgpu.Barrier(num_arrivals=2, num_barriers=slots),
     ],
     grid=(num_kv_heads, row_tiles, batch),
     grid_names=("kv_head", "row_tile", "request"),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
   )(partial_out, partial_lse)
+
+
+def merge_ring_slots(num_chunks: int, tile_rows: int, head_dim: int, itemsize: int) -> int:
+  """Slots of ``merge_chunks_mosaic_gpu``'s ring: one per chunk, as many as ``MERGE_RING_BYTES``
+  holds (a slot is a tile and its lse line(s)), at most ``MERGE_RING_MAX_SLOTS``."""
+  slot_bytes = tile_rows * head_dim * itemsize + pl.cdiv(tile_rows, _F32_PER_LINE) * 128
+  return max(1, min(num_chunks, MERGE_RING_MAX_SLOTS, MERGE_RING_BYTES // slot_bytes))
