@@ -413,11 +413,14 @@ def test_kernel_matches_float64(case, interpret):
     (1, 1, 128, F16, 2, 64),
     (5, 3, 128, BF16, 4, 64),
     (8, 16, 64, BF16, 2, 64),
-    # more chunks than the ring's slots: every slot refilled (11 slots of 64 rows at D 128)
-    (1, 8, 128, BF16, 13, 64),
-    # transposed scores tiles, merged as [D, N]: 8 rows beyond the 32 slots, 56 rows beyond 13
+    # more chunks than a warpgroup's ring has slots: slots refilled (4 slots of 64 rows at
+    # D 128, 6 chunks for warpgroup 0 and 5 for the others)
+    (1, 8, 128, BF16, 21, 64),
+    # transposed scores tiles, merged as [64, N]: 10 chunks a warpgroup for 8 slots of 8 rows,
+    # 6 for 5 slots of 56 rows, and one chunk a warpgroup
     (1, 8, 128, BF16, 40, 8),
-    (7, 8, 128, F16, 16, 56),
+    (7, 8, 128, F16, 24, 56),
+    (6, 12, 64, BF16, 5, 72),  # beyond 64 rows: two warpgroups
     (2, 6, 64, BF16, 3, 16),
   ],
 )
@@ -458,12 +461,14 @@ def test_merge_kernel_matches_the_xla_merge(
 
 
 def test_merge_ring_slots():
-  """The ring sizes the refill cases above rely on: one slot per chunk up to the byte budget
-  (64 rows at D 128: 11 slots; 56 rows: 13) and to the 32 barriers the GPU lowers."""
-  assert mosaic_gpu.merge_ring_slots(13, 64, 128, 2) == 11
-  assert mosaic_gpu.merge_ring_slots(16, 56, 128, 2) == 13
-  assert mosaic_gpu.merge_ring_slots(40, 8, 128, 2) == 32
-  assert mosaic_gpu.merge_ring_slots(3, 16, 64, 2) == 3
+  """The ring sizes the refill cases above rely on: per warpgroup, one slot per chunk up to its
+  share of the byte budget and of the 32 barriers the GPU lowers."""
+  assert mosaic_gpu.merge_warpgroups(21, 64) == 4 and mosaic_gpu.merge_warpgroups(3, 16) == 3
+  assert mosaic_gpu.merge_warpgroups(21, 96) == 2
+  assert mosaic_gpu.merge_ring_slots(21, 64, 2) == 4
+  assert mosaic_gpu.merge_ring_slots(40, 8, 2) == 8
+  assert mosaic_gpu.merge_ring_slots(24, 56, 2) == 5
+  assert mosaic_gpu.merge_ring_slots(3, 16, 2) == 1
 
 
 @pytest.mark.parametrize("num_chunks", [2, 3, 16])

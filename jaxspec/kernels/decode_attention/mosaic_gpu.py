@@ -165,10 +165,14 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 _SMEM_PER_SM = 227 * 1024  # usable shared memory per SM on Hopper
 _F32_PER_LINE = 32  # float32 values in a 128-byte shared-memory line
-# merge_chunks_mosaic_gpu's ring of chunk tiles: at most this many bytes of slots (a 64-row tile
-# at D 128 is 16 KiB: 11 slots), and at most this many slots (jax 0.11.2 lowers a Barrier group
-# of at most 32 on the GPU; GPU interpret mode runs more).
-MERGE_RING_BYTES = 192 * 1024
+# merge_chunks_mosaic_gpu: tiles of 64 head dims (one 128-byte swizzle of 16-bit values), so a
+# program per 64 of them; its warpgroups, each merging every W-th chunk; the shared memory it
+# takes at most, most of it the warpgroups' rings of chunk tiles (a 64-row tile is 8 KiB); and
+# at most this many slots in all (jax 0.11.2 lowers a Barrier group of at most 32 on the GPU;
+# interpret mode runs more).
+MERGE_COLS = 64
+MERGE_WARPGROUPS = 4
+MERGE_SMEM_BYTES = 200 * 1024
 MERGE_RING_MAX_SLOTS = 32
 _LOG2E = math.log2(math.e)
 BALANCED_MAX_CHUNKS = 16  # chunks per request at most with balance_waves, unless num_chunks says
@@ -1316,22 +1320,23 @@ def merge_chunks_mosaic_gpu(
 ) -> jax.Array:  # [B, q_len, Hkv * G, D], partial_out.dtype
   """``merge_chunks`` and the row unpacking in one Mosaic GPU kernel.
 
-  One program per (KV head, row tile, request) merges the request's ``C`` chunk tiles online in
-  a fixed order: with ``M`` the running max of the chunks' lse,
-  ``acc = acc * 2^(M_old - M) + 2^(lse_c - M) o_c`` and ``l`` likewise, so the result is
-  ``merge_chunks``' up to float32 rounding. Chunks that saw nothing (lse -inf) have weight 0
-  and are selected away (their tiles are unwritten); NaN in an lse reaches the output as in
-  ``merge_chunks``. The merged tile goes straight to the output: packed row ``r = j * G + g``
-  is row ``(j, h * G + g)`` of its request, so the tile's rows of token ``j`` are one TMA copy
-  of at most ``G`` contiguous rows.
+  One program per (KV head, row tile, 64 head dims, request) merges the request's ``C`` chunk
+  tiles online: with ``M`` the running max of the chunks' lse,
+  ``acc = acc * 2^(M_old - M) + 2^(lse_c - M) o_c`` and ``l`` likewise. Its ``W`` warpgroups
+  (``merge_warpgroups``) each merge every ``W``-th chunk, so that the chain of dependent steps
+  is ``C / W`` long, and warpgroup 0 then combines their ``(acc, M, l)`` the same way, in a
+  fixed order: the result is ``merge_chunks``' up to float32 rounding, and deterministic.
+  Chunks that saw nothing (lse -inf) have weight 0 and are selected away (their tiles are
+  unwritten); NaN in an lse reaches the output as in ``merge_chunks``. The merged tile goes
+  straight to the output: packed row ``r = j * G + g`` is row ``(j, h * G + g)`` of its
+  request, so the tile's rows of token ``j`` are one TMA copy of at most ``G`` contiguous rows.
 
-  The tiles stream through a ring of ``merge_ring_slots`` shared-memory slots, all filled at
-  the start (chunk ``c`` issued by warp ``c % 4``, see the attention kernel's ``fetch``) and each
-  refilled with the chunk ``slots`` ahead as soon as it is read, so the copies' latency is paid
-  about once per ring rather than once per chunk. Row tiles are 64 rows, merged as ``[64, D]``;
-  a transposed scores tile of ``N`` rows (``N`` a multiple of 8, not of 64) is merged whole as
-  ``[D, N]``, the orientation it was computed in (rows on the wgmma N axis), so that a slot holds
-  just its ``N`` rows.
+  Each warpgroup streams its chunks through its own ring of shared-memory slots, all filled at
+  the start (slot ``s`` issued by warp ``s % 4``, see the attention kernel's ``fetch``) and
+  each refilled with the chunk a ring ahead as soon as it is read. Row tiles are 64 rows, merged
+  as ``[64, 64]``; a transposed scores tile of ``N`` rows (``N`` a multiple of 8, not of 64) is
+  merged whole as ``[64, N]``, the orientation it was computed in (rows on the wgmma N axis), so
+  that a slot holds just its ``N`` rows.
   """
   num_items, num_kv_heads, padded_rows, head_dim = partial_out.shape
   batch = num_items // num_chunks
@@ -1341,83 +1346,104 @@ def merge_chunks_mosaic_gpu(
   transposed = padded_rows % ROWS_PER_TILE != 0
   tile_rows = padded_rows if transposed else ROWS_PER_TILE
   row_tiles = padded_rows // tile_rows
-  row_axis, dim_axis = (1, 0) if transposed else (0, 1)
-  slots = merge_ring_slots(num_chunks, tile_rows, head_dim, jnp.dtype(dtype).itemsize)
+  col_blocks = head_dim // MERGE_COLS
+  row_axis, col_axis = (1, 0) if transposed else (0, 1)
+  warpgroups = merge_warpgroups(num_chunks, tile_rows)
+  slots = merge_ring_slots(num_chunks, tile_rows, jnp.dtype(dtype).itemsize)  # per warpgroup
   # A TMA copy's shared-memory destination starts on a 128-byte line: each slot's lse is padded
   # to whole lines (interpret mode does not model that alignment; the GPU faults without it).
   lse_stride = pl.cdiv(tile_rows, _F32_PER_LINE) * _F32_PER_LINE
+  tile_shape = (MERGE_COLS, tile_rows) if transposed else (tile_rows, MERGE_COLS)
+  row_layout = plgpu.Layout.WGMMA.reduce(col_axis)
 
   def merge_chunks_kernel(
     tiles_ref,  # GMEM [B * C, Hkv, R, D]
     lse_ref,  # GMEM f32 [B * C, Hkv, R]
     out_ref,  # GMEM [B, q_len, Hq, D]
-    tile_smem,  # [slots, tile_rows, D]
-    lse_smem,  # f32 [slots, lse_stride], the first tile_rows of each used
-    merged_smem,  # [tile_rows, D], unswizzled so that any run of rows can be copied out
-    barriers,  # [slots], two arrivals: the tile and its lse
+    tile_smem,  # [W, slots, tile_rows, 64]
+    lse_smem,  # f32 [W, slots, lse_stride], the first tile_rows of each used
+    merged_smem,  # [tile_rows, 64], unswizzled so that any run of rows can be copied out
+    barriers,  # [W * slots], two arrivals: the tile and its lse
+    *combine_refs,  # W > 1: f32 [W - 1, *tile_shape], [W - 1, 2, tile_rows], barrier
   ):
     kv_head = lax.axis_index("kv_head")
-    row_tile = lax.axis_index("row_tile")
+    row_tile = lax.div(lax.axis_index("tile"), col_blocks)
+    cols = pl.ds(lax.rem(lax.axis_index("tile"), col_blocks) * MERGE_COLS, MERGE_COLS)
     request = lax.axis_index("request")
     rows = pl.ds(row_tile * tile_rows, tile_rows)
+    wg = lax.axis_index("wg") if warpgroups > 1 else 0
+    tile_ring, lse_ring = tile_smem.at[wg], lse_smem.at[wg]
 
-    def fetch(chunk, slot):
-      item = request * num_chunks + chunk
+    def ring_barrier(slot):  # a group of one barrier is not indexed
+      return barriers.at[wg * slots + slot] if warpgroups * slots > 1 else barriers
+
+    # This warpgroup's chunks: wg, wg + W, ...
+    my_chunks = lax.div(num_chunks - wg + (warpgroups - 1), warpgroups)
+
+    def fetch(k, slot):  # this warpgroup's k-th chunk into its slot `slot`
+      item = request * num_chunks + wg + k * warpgroups
       plgpu.copy_gmem_to_smem(
-        tiles_ref.at[item, kv_head, rows], tile_smem.at[slot], barriers.at[slot]
+        tiles_ref.at[item, kv_head, rows, cols], tile_ring.at[slot], ring_barrier(slot)
       )
       plgpu.copy_gmem_to_smem(
         lse_ref.at[item, kv_head, rows],
-        lse_smem.at[slot, pl.ds(0, tile_rows)],
-        barriers.at[slot],
+        lse_ring.at[slot, pl.ds(0, tile_rows)],
+        ring_barrier(slot),
       )
 
     @pl.kernel(mesh=plgpu.WarpMesh(axis_name="warp"))
     def fill_ring():
       warp = lax.axis_index("warp")
-      for chunk in range(slots):
-        pl.when(warp == chunk % WARPS_PER_WARPGROUP)(functools.partial(fetch, chunk, chunk))
+      for slot in range(slots):
+        mine = (warp == slot % WARPS_PER_WARPGROUP) & (slot < my_chunks)
+        pl.when(mine)(functools.partial(fetch, slot, slot))
 
     fill_ring()
-    row_layout = plgpu.Layout.WGMMA.reduce(dim_axis)
-    tile_shape = (head_dim, tile_rows) if transposed else (tile_rows, head_dim)
 
     def rows_of(vector):
       return lax.broadcast_in_dim(vector, tile_shape, [row_axis])
 
-    def step(chunk, carry):
-      acc, m_i, l_i = carry
-      slot = lax.rem(chunk, slots)
-      plgpu.barrier_wait(barriers.at[slot])
-      lse = plgpu.load(lse_smem.at[slot, pl.ds(0, tile_rows)], layout=row_layout)
-      tile_ref = tile_smem.at[slot]
-      tile_ref = tile_ref.transpose((1, 0)) if transposed else tile_ref
-      tile = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-
-      @pl.when(chunk + slots < num_chunks)
-      def _refill():
-        plgpu.commit_smem()  # orders this step's reads of the slot before its refill
-        fetch(chunk + slots, slot)
-
+    def merge_in(acc, m_i, l_i, lse, tile):
+      """Adds a tile of weight 2^lse (per row) to the running (acc, M, l)."""
       m_new = jnp.maximum(m_i, lse)
       m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: no inf - inf
       alpha = jnp.exp2(m_i - m_shift)
       weight = jnp.exp2(lse - m_shift)  # 0 for a chunk that saw nothing
       tile = jnp.where(rows_of(weight > 0.0), tile, 0.0)  # unwritten tiles: 0 * NaN = NaN
-      acc = acc * rows_of(alpha) + rows_of(weight) * tile
-      return acc, m_new, l_i * alpha + weight
+      return acc * rows_of(alpha) + rows_of(weight) * tile, m_new, l_i * alpha + weight
+
+    def step(k, carry):
+      acc, m_i, l_i = carry
+      slot = lax.rem(k, slots)
+      plgpu.barrier_wait(ring_barrier(slot))
+      lse = plgpu.load(lse_ring.at[slot, pl.ds(0, tile_rows)], layout=row_layout)
+      tile_ref = tile_ring.at[slot]
+      tile_ref = tile_ref.transpose((1, 0)) if transposed else tile_ref
+      tile = plgpu.load(tile_ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+      @pl.when(k + slots < my_chunks)
+      def _refill():
+        plgpu.commit_smem()  # orders this step's reads of the slot before its refill
+        fetch(k + slots, slot)
+
+      return merge_in(acc, m_i, l_i, lse, tile)
 
     m_i = plgpu.layout_cast(jnp.full((tile_rows,), -jnp.inf, jnp.float32), row_layout)
     l_i = plgpu.layout_cast(jnp.full((tile_rows,), 0.0, jnp.float32), row_layout)
     acc = plgpu.layout_cast(jnp.full(tile_shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
-    acc, _, l_i = lax.fori_loop(0, num_chunks, step, (acc, m_i, l_i))
-    inv_l = 1.0 / jnp.where(l_i > 0.0, l_i, 1.0)  # rows no chunk saw: acc = 0
-    merged = (acc * rows_of(inv_l)).astype(dtype)
-    if transposed:
-      merged_smem.transpose((1, 0))[...] = merged
-    else:
-      merged_smem[...] = merged
-    plgpu.commit_smem()
+    acc, m_i, l_i = lax.fori_loop(0, my_chunks, step, (acc, m_i, l_i))
+
+    def store(acc, l_i):
+      inv_l = 1.0 / jnp.where(l_i > 0.0, l_i, 1.0)  # rows no chunk saw: acc = 0
+      merged = (acc * rows_of(inv_l)).astype(dtype)
+      if transposed:
+        merged_smem.transpose((1, 0))[...] = merged
+      else:
+        merged_smem[...] = merged
+      plgpu.commit_smem()
+      for tile_index in range(row_tiles):  # the rows' tokens are static per tile
+        pl.when(row_tile == tile_index)(functools.partial(store_rows, tile_index * tile_rows))
+      plgpu.wait_smem_to_gmem(0)
 
     def store_rows(tile_start):
       for j in range(q_len):  # token j: packed rows [j * G, (j + 1) * G) of this tile
@@ -1426,31 +1452,78 @@ def merge_chunks_mosaic_gpu(
         if first < last:
           plgpu.copy_smem_to_gmem(
             merged_smem.at[pl.ds(first - tile_start, last - first)],
-            out_ref.at[request, j, pl.ds(kv_head * group + first - j * group, last - first)],
+            out_ref.at[request, j, pl.ds(kv_head * group + first - j * group, last - first), cols],
           )
 
-    for tile_index in range(row_tiles):  # the rows' tokens are static per tile
-      pl.when(row_tile == tile_index)(functools.partial(store_rows, tile_index * tile_rows))
-    plgpu.wait_smem_to_gmem(0)
+    if warpgroups == 1:
+      store(acc, l_i)
+      return
+
+    # Warpgroups 1.. hand their unnormalised (acc, M, l) to warpgroup 0 through shared memory.
+    acc_smem, ml_smem, handed_over = combine_refs
+
+    @pl.when(wg != 0)
+    def _hand_over():
+      acc_smem.at[wg - 1][...] = acc
+      ml_smem.at[wg - 1, 0][...] = m_i
+      ml_smem.at[wg - 1, 1][...] = l_i
+      plgpu.barrier_arrive(handed_over)
+
+    @pl.when(wg == 0)
+    def _combine():
+      plgpu.barrier_wait(handed_over)
+      acc_w, m_w, l_w = acc, m_i, l_i
+      for other in range(warpgroups - 1):  # in a fixed order
+        m_o = plgpu.load(ml_smem.at[other, 0], layout=row_layout)
+        l_o = plgpu.load(ml_smem.at[other, 1], layout=row_layout)
+        acc_o = plgpu.load(acc_smem.at[other], layout=plgpu.Layout.WGMMA)
+        m_new = jnp.maximum(m_w, m_o)
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha, beta = jnp.exp2(m_w - m_shift), jnp.exp2(m_o - m_shift)
+        acc_w = acc_w * rows_of(alpha) + acc_o * rows_of(beta)
+        m_w, l_w = m_new, l_w * alpha + l_o * beta
+      store(acc_w, l_w)
 
   transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  scratch = [
+    plgpu.SMEM((warpgroups, slots, tile_rows, MERGE_COLS), dtype, transforms=transforms),
+    plgpu.SMEM((warpgroups, slots, lse_stride), jnp.float32),
+    plgpu.SMEM((tile_rows, MERGE_COLS), dtype),
+    plgpu.Barrier(num_arrivals=2, num_barriers=warpgroups * slots),
+  ]
+  if warpgroups > 1:
+    scratch += [
+      plgpu.SMEM((warpgroups - 1, *tile_shape), jnp.float32),
+      plgpu.SMEM((warpgroups - 1, 2, tile_rows), jnp.float32),
+      plgpu.Barrier(num_arrivals=warpgroups - 1),
+    ]
   return plgpu.kernel(
     merge_chunks_kernel,
     out_type=jax.ShapeDtypeStruct((batch, q_len, num_kv_heads * group, head_dim), dtype),
-    scratch_types=[
-      plgpu.SMEM((slots, tile_rows, head_dim), dtype, transforms=transforms),
-      plgpu.SMEM((slots, lse_stride), jnp.float32),
-      plgpu.SMEM((tile_rows, head_dim), dtype),
-      plgpu.Barrier(num_arrivals=2, num_barriers=slots),
-    ],
-    grid=(num_kv_heads, row_tiles, batch),
-    grid_names=("kv_head", "row_tile", "request"),
+    scratch_types=scratch,
+    grid=(num_kv_heads, row_tiles * col_blocks, batch),
+    grid_names=("kv_head", "tile", "request"),
+    num_threads=warpgroups if warpgroups > 1 else None,
+    thread_name="wg" if warpgroups > 1 else None,
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
   )(partial_out, partial_lse)
 
 
-def merge_ring_slots(num_chunks: int, tile_rows: int, head_dim: int, itemsize: int) -> int:
-  """Slots of ``merge_chunks_mosaic_gpu``'s ring: one per chunk, as many as ``MERGE_RING_BYTES``
-  holds (a slot is a tile and its lse line(s)), at most ``MERGE_RING_MAX_SLOTS``."""
-  slot_bytes = tile_rows * head_dim * itemsize + pl.cdiv(tile_rows, _F32_PER_LINE) * 128
-  return max(1, min(num_chunks, MERGE_RING_MAX_SLOTS, MERGE_RING_BYTES // slot_bytes))
+def merge_warpgroups(num_chunks: int, tile_rows: int) -> int:
+  """Warpgroups of ``merge_chunks_mosaic_gpu``: one per chunk, at most ``MERGE_WARPGROUPS``,
+  and at most 2 beyond 64 rows (at 4 the 128 registers a thread then has spill: 538 B a
+  thread at 96 rows, compiled for the H200)."""
+  return min(num_chunks, MERGE_WARPGROUPS if tile_rows <= ROWS_PER_TILE else 2)
+
+
+def merge_ring_slots(num_chunks: int, tile_rows: int, itemsize: int) -> int:
+  """Slots of each warpgroup's ring in ``merge_chunks_mosaic_gpu``: one per chunk of the
+  warpgroup, as many as its share of ``MERGE_SMEM_BYTES`` holds once the merged tile and the
+  warpgroups' hand-over buffers are counted (a slot is a ``[tile_rows, 64]`` tile and its lse
+  line(s)), and at most its share of ``MERGE_RING_MAX_SLOTS``."""
+  warpgroups = merge_warpgroups(num_chunks, tile_rows)
+  handed_over = (warpgroups - 1) * (tile_rows * MERGE_COLS + 2 * tile_rows) * 4  # f32
+  ring_bytes = MERGE_SMEM_BYTES - handed_over - tile_rows * MERGE_COLS * itemsize
+  slot_bytes = tile_rows * MERGE_COLS * itemsize + pl.cdiv(tile_rows, _F32_PER_LINE) * 128
+  most = min(MERGE_RING_MAX_SLOTS, ring_bytes // slot_bytes) // warpgroups
+  return max(1, min(pl.cdiv(num_chunks, warpgroups), most))
