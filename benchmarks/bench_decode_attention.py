@@ -1405,7 +1405,8 @@ def tune(rng, tuning, save, smoke=False, only=None):
     *(TuningConfig(num_stages=s, balance_waves=4) for s in (2, 3, 4)),
     TuningConfig(num_stages=2, balance_waves=4, fp8_8bit_layout=True),
   ]
-  # The merge and row unpacking in one kernel (off by default) on shapes that split the KV.
+  # The merge and row unpacking in one kernel (off in the device-less default) on shapes that
+  # split the KV.
   default = default_config(HEAD_DIM, PAGE_SIZE)
   merge = [default, dataclasses.replace(default, merge_kernel=True)]
   two_warpgroups = [default, dataclasses.replace(default, two_warpgroup_tiles=True)]
