@@ -164,7 +164,8 @@ TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE = (("H100 80GB HBM3", {128: 32, 64: 24}),)
 # three interleaved timings each, against XLA's merge: G 8 q_len 1 (8 rows) 1.017-1.096x at B1
 # L8k/L32k and B8 L8k (B1 L8k 19.1 against 20.3 us, 14.6 against 16.0 at D 64); 12 rows and more
 # 0.96-0.99x, fp8 pages 0.91x, B64 L32k 0.996-0.998x
-# (benchmarks/results/decode_attention_merge_ring_h100_2026-12-06.json).
+# (benchmarks/results/decode_attention_merge_ring_h100_2026-12-06.json). The H200 is not named:
+# there the same shapes' ranges overlapped (decode_attention_merge_ring_h200_2026-12-06.json).
 MERGE_KERNEL_BY_DEVICE = (("H100 80GB HBM3", (8, 64)),)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # q (and 16-bit pages)
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -283,7 +284,8 @@ class TuningConfig:
       instead of XLA's merge fusions and row transpose. ``default_config`` turns it on for
       few rows over few pairs on the devices of ``MERGE_KERNEL_BY_DEVICE`` (on an H100 SXM
       it ran G 8 q_len 1 at B1 L8k in 19.1 against 20.3 us, but 12 rows and more, fp8 pages and
-      B64 0.91-0.998x); elsewhere unmeasured, off.
+      B64 0.91-0.998x); off on the H200, where host-timed B1 and B8 calls at q_len 1 varied
+      too much run to run to settle it (medians 1.01-1.10x, ranges overlapping), and elsewhere.
     fp8_8bit_layout: fp8 pages: load each fp8 block into registers in the 8-bit wgmma layout
       (4 consecutive bytes per thread and vector: half the shared-memory loads, and 8-byte
       stores of the converted values) instead of the 16-bit one (2 bytes). ``default_config``
