@@ -467,11 +467,20 @@ def transposed_max_rows(head_dim: int, kv_itemsize: int, device_kind: str | None
   """The most packed rows ``default_config`` gives transposed scores to (without fp8 in
   registers): ``DEFAULT_TRANSPOSED_MAX_ROWS``, or for 16-bit pages on a device of
   ``TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE`` its figure at ``head_dim``."""
-  if kv_itemsize == 2 and device_kind is not None:
-    for name, by_head_dim in TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE:
-      if name in device_kind:
-        return by_head_dim.get(head_dim, DEFAULT_TRANSPOSED_MAX_ROWS)
+  by_head_dim = _for_device(TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE, device_kind)
+  if kv_itemsize == 2 and by_head_dim is not None:
+    return by_head_dim.get(head_dim, DEFAULT_TRANSPOSED_MAX_ROWS)
   return DEFAULT_TRANSPOSED_MAX_ROWS
+
+
+def _for_device(table, device_kind: str | None):
+  """The value of the ``(piece of a device_kind, value)`` pair of ``table`` that names
+  ``device_kind``, or None."""
+  if device_kind is not None:
+    for name, value in table:
+      if name in device_kind:
+        return value
+  return None
 
 
 def takes_merge_kernel(
@@ -479,12 +488,11 @@ def takes_merge_kernel(
 ) -> bool:
   """Whether ``default_config`` merges the KV chunks in ``merge_chunks_mosaic_gpu``: 16-bit
   pages on a device of ``MERGE_KERNEL_BY_DEVICE``, within its rows and pairs."""
-  if kv_itemsize != 2 or num_rows is None or num_pairs is None or device_kind is None:
+  limits = _for_device(MERGE_KERNEL_BY_DEVICE, device_kind)
+  if kv_itemsize != 2 or num_rows is None or num_pairs is None or limits is None:
     return False
-  for name, (max_rows, max_pairs) in MERGE_KERNEL_BY_DEVICE:
-    if name in device_kind:
-      return num_rows <= max_rows and num_pairs <= max_pairs
-  return False
+  max_rows, max_pairs = limits
+  return num_rows <= max_rows and num_pairs <= max_pairs
 
 
 def smem_bytes(
