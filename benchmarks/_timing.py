@@ -23,6 +23,10 @@ kernels with their device-side times.
 
 ``time_torch`` brackets ``inner`` back-to-back calls with CUDA events (device
 side) and reports the median over ``reps`` of the time per call.
+
+``kernel_seconds`` sums, from CUPTI, the device time of the kernels one call launches, for
+jax and torch alike: the time the device is busy, without the gaps between kernels or the
+host's launch path, so a comparison of small calls that the host paces.
 """
 
 import statistics
@@ -88,6 +92,32 @@ def dispatch_seconds(step, state, reps: int):
     samples.append(time.perf_counter() - start)
   jax.block_until_ready(state)
   return statistics.median(samples), state
+
+
+def kernel_seconds(call, block, iterations: int = 10) -> tuple[float, int]:
+  """Device seconds of the kernels of one ``call()``, and how many it launches, from CUPTI.
+
+  ``call`` runs once outside the profile, then ``iterations`` times back to back under CUPTI
+  (``block`` waits for the list of their outputs); each kernel's fastest of the calls is
+  summed. Unlike ``profiler.measure``, which takes jax functions only, this profiles whatever
+  ``call`` launches (FlashInfer through torch too): it uses the same CUPTI hooks of jax's Mosaic
+  GPU extension, which record every kernel of the process. Raises ``RuntimeError`` where the
+  calls launch no kernel or different numbers of them.
+  """
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # profiler.measure's CUPTI hooks
+
+  extension = mosaic_gpu_lib._mosaic_gpu_ext
+  block([call()])
+  extension._cupti_init()
+  try:
+    block([call() for _ in range(iterations)])
+  finally:
+    timings = extension._cupti_get_timings(True)  # [(kernel name, ms)] in launch order
+  per_call, rest = divmod(len(timings), iterations)
+  if per_call == 0 or rest:
+    raise RuntimeError(f"{len(timings)} kernels in {iterations} calls: not the same per call")
+  fastest_ms = [min(ms for _, ms in timings[k::per_call]) for k in range(per_call)]
+  return sum(fastest_ms) / 1e3, per_call
 
 
 class _ThreadedStep(jax.stages.Wrapped):

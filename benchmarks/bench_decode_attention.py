@@ -40,10 +40,13 @@ calls of a timed program rotate over copies of its pages, for every contender, s
 is timed with its KV warm in L2 (a served model's step reads every layer's KV, never L2-warm).
 
 ``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the first section; ``--only``
-runs the shapes it names, in its order. ``--tune`` instead runs only a sweep of tuning configs
-(on three shapes; the fp8 ring depth and register layout; ``TuningConfig.merge_kernel`` against
-the XLA merge where the KV is split; the 128-row two-warpgroup tile at G 12, L 32k) and writes
-``results/decode_attention_tuning.{json,md}``; with ``--only``, the sweeps it names.
+runs the shapes it names, in its order. ``--kernel-time`` adds, for ours and FlashInfer, the
+CUPTI device time of one call (the sum of its kernels, ``_timing.kernel_seconds``) and a table
+of it: at small shapes the timings above measure the host's launch path as much as the device.
+``--tune`` instead runs only a sweep of tuning configs (on three shapes; the fp8 ring depth and
+register layout; ``TuningConfig.merge_kernel`` against the XLA merge where the KV is split; the
+128-row two-warpgroup tile at G 12, L 32k) and writes ``results/decode_attention_tuning.{json,md}``;
+with ``--only``, the sweeps it names.
 
 ``--two-warpgroup-check`` instead times only our kernel at G 12 (GLM-4.5), where
 ``G * q_len > 64``: the default 64-row tiles (each reads the KV) against one
@@ -106,6 +109,7 @@ Usage: ``python benchmarks/bench_decode_attention.py [--quick] [--no-flashinfer]
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import pathlib
 import statistics
@@ -119,7 +123,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks._timing import time_jax, time_torch  # noqa: E402
+from benchmarks._timing import kernel_seconds, time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.decode_attention.api import paged_decode_attention  # noqa: E402
 from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
   DEFAULT_BALANCE_WAVES,
@@ -273,6 +277,17 @@ def time_ours(batch, queries, config=None, interpret=False, notes=None, **timing
   return time_jax(fn, batch.variants(queries), *batch.rest_args, **timing)
 
 
+def kernel_time_ours(batch, queries) -> dict:
+  """CUPTI device time of one call of ours (``kernel_seconds``), the calls taking the timed
+  program's inputs in turn (its page copies: KV not warm in L2)."""
+  call = jax.jit(_ours("pallas"))
+  variants = itertools.cycle(batch.variants(queries))
+  seconds, count = kernel_seconds(
+    lambda: call(next(variants), *batch.rest_args), jax.block_until_ready
+  )
+  return {"kernel_us": seconds * 1e6, "kernel_count": count}
+
+
 def time_xla(batch, queries, notes=None, **timing):
   del notes
   return time_jax(_ours("xla"), batch.variants(queries), *batch.rest_args, **timing)
@@ -364,8 +379,9 @@ def time_torch_graph(calls, reps: int = 15, warmup: int = 2) -> float:
   return statistics.median(samples)
 
 
-def time_flashinfer(batch, queries, notes):
-  """FlashInfer's best Hopper path for this q_len on the same pages; checked against ours."""
+def time_flashinfer(batch, queries, notes, kernel_time=False):
+  """FlashInfer's best Hopper path for this q_len on the same pages; checked against ours.
+  ``kernel_time``: also its CUPTI device time per call (``notes["kernel_us"]``)."""
   import flashinfer
   import torch
 
@@ -423,6 +439,11 @@ def time_flashinfer(batch, queries, notes):
   first = jnp.asarray(np.asarray(outputs[0].float().cpu())).reshape(queries[0].shape)
   ours = paged_decode_attention(queries[0], *batch.shared_args[:4], impl="pallas")
   notes["max_abs_diff_vs_ours"] = float(jnp.max(jnp.abs(first - ours.astype(jnp.float32))))
+  if kernel_time:
+    in_turn = itertools.cycle(calls)  # as ours: the page copies in turn
+    seconds, count = kernel_seconds(lambda: next(in_turn)(), lambda _: torch.cuda.synchronize())
+    notes.update(kernel_us=seconds * 1e6, kernel_count=count)
+    outputs.clear()
   try:
     notes["timing"] = "CUDA graph"
     return time_torch_graph(calls)
@@ -483,7 +504,9 @@ TIMERS = {
 }
 
 
-def run_shape(rng, shape: Shape, smoke=False):
+def run_shape(rng, shape: Shape, smoke=False, kernel_time=False):
+  """Times the shape's contenders at each of its q_lens; ``kernel_time``: ours and FlashInfer
+  also by CUPTI device time (``kernel_seconds``)."""
   batch = make_batch(rng, shape.seq_lens, shape.head_dim, pad_to=8 if smoke else 128)
   variants = [("bf16", batch)] + ([("fp8", to_fp8(batch))] if shape.fp8 else [])
   timing = {"reps": 1, "warmup": 0} if smoke else {}
@@ -511,8 +534,12 @@ def run_shape(rng, shape: Shape, smoke=False):
         try:
           if contender == "ours":
             seconds = time_ours(pages, queries, interpret=smoke, **timing)
+            if kernel_time and label == "bf16":
+              entry.update(kernel_time_ours(pages, queries))
           elif contender == "xla":
             seconds = time_xla(pages, queries, **timing)
+          elif contender == "flashinfer":
+            seconds = time_flashinfer(pages, queries, notes=entry, kernel_time=kernel_time)
           else:
             seconds = TIMERS[contender](pages, queries, notes=entry)
           entry.update(us=seconds * 1e6, tbps=pages.kv_bytes / seconds / 1e12)
@@ -1271,6 +1298,11 @@ def main():
     help="only: the 128-row tile with a producer warpgroup (decode_attention_producer_warpgroup.*)",
   )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
+  parser.add_argument(
+    "--kernel-time",
+    action="store_true",
+    help="main grid: ours and FlashInfer also by CUPTI device time (kernel sums)",
+  )
   parser.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
   parser.add_argument(
     "--time-budget",
@@ -1379,7 +1411,7 @@ def main():
       if time.perf_counter() - started > args.time_budget:
         meta["skipped"].append(f"{shape.section} {shape.name}")
         continue
-      rows += run_shape(rng, shape, smoke=args.smoke)
+      rows += run_shape(rng, shape, smoke=args.smoke, kernel_time=args.kernel_time)
       save()
       print(f"[{time.perf_counter() - started:.0f} s]", flush=True)
   save()
@@ -1616,6 +1648,30 @@ def render_markdown(meta, rows, tuning):
         f"| {row['shape']} | {row['q_len']} | {_cell(row['ours'])} | {_cell(row.get('ours_fp8'))} "
         f"| {_ratio(row, 'ours', 'ours_fp8')} | {_number(row.get('max_abs_diff_vs_xla'))} "
         f"| {_number(row.get('max_abs_diff_vs_xla_fp8'))} |"
+      )
+  timed_by_kernels = [row for row in rows if "kernel_us" in row["ours"]]
+  if timed_by_kernels:
+    lines += [
+      "",
+      "## Device time by CUPTI (`--kernel-time`): ours and FlashInfer",
+      "",
+      "The sum of the kernels of one call (each kernel's fastest of 10 back-to-back calls): the "
+      "time the device is busy, without the gaps between kernels or the host's launch path, which "
+      "set the timings above where a call is short. 'vs FlashInfer' is FlashInfer's sum / ours.",
+      "",
+      "| section | shape | q_len | ours us (kernels) | FlashInfer us (kernels) | vs FlashInfer |",
+      "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in timed_by_kernels:
+      ours, theirs = row["ours"], row.get("flashinfer", {})
+      cells = [
+        f"{entry['kernel_us']:.1f} ({entry['kernel_count']})" if "kernel_us" in entry else "n/a"
+        for entry in (ours, theirs)
+      ]
+      ratio = f"{theirs['kernel_us'] / ours['kernel_us']:.2f}x" if "kernel_us" in theirs else "n/a"
+      lines.append(
+        f"| {row['section']} | {row['shape']} | {row['q_len']} | {cells[0]} | {cells[1]} "
+        f"| {ratio} |"
       )
   lines += ["", "Time of ours at the longest q_len / at q_len 1:", ""]
   by_shape = {}
