@@ -42,7 +42,10 @@ is timed with its KV warm in L2 (a served model's step reads every layer's KV, n
 ``--quick`` runs only B1 and B64 at L 8k and the ragged batch of the first section; ``--only``
 runs the shapes it names, in its order. ``--kernel-time`` adds, for ours and FlashInfer, the
 CUPTI device time of one call (the sum of its kernels, ``_timing.kernel_seconds``) and a table
-of it: at small shapes the timings above measure the host's launch path as much as the device.
+of it. At small shapes that is the fair comparison: our steady-state timing of a program of
+back-to-back calls is not one call's device time there (on an H100 at B1 L8k it varied from run
+to run and came out below the sum of a call's kernels, 17.8 against 25.3 us at G 12 q_len 7, so
+the program's calls overlap), while FlashInfer's graph runs its calls one after another.
 ``--tune`` instead runs only a sweep of tuning configs (on three shapes; the fp8 ring depth and
 register layout; ``TuningConfig.merge_kernel`` against the XLA merge where the KV is split; the
 128-row two-warpgroup tile at G 12, L 32k) and writes ``results/decode_attention_tuning.{json,md}``;
@@ -1655,9 +1658,10 @@ def render_markdown(meta, rows, tuning):
       "",
       "## Device time by CUPTI (`--kernel-time`): ours and FlashInfer",
       "",
-      "The sum of the kernels of one call (each kernel's fastest of 10 back-to-back calls): the "
-      "time the device is busy, without the gaps between kernels or the host's launch path, which "
-      "set the timings above where a call is short. 'vs FlashInfer' is FlashInfer's sum / ours.",
+      "The sum of the kernels of one call (each kernel's fastest of 10 back-to-back calls, the "
+      "calls one after another): the time the device is busy, without the gaps between kernels, "
+      "the host's launch path or the overlap of the calls of one timed program, which move the "
+      "timings above where a call is short. 'vs FlashInfer' is FlashInfer's sum / ours.",
       "",
       "| section | shape | q_len | ours us (kernels) | FlashInfer us (kernels) | vs FlashInfer |",
       "| --- | --- | --- | --- | --- | --- |",
