@@ -164,7 +164,9 @@ TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE = (("H100 80GB HBM3", {128: 32, 64: 24}),)
 # three interleaved timings each, against XLA's merge: G 8 q_len 1 (8 rows) 1.017-1.096x at B1
 # L8k/L32k and B8 L8k (B1 L8k 19.1 against 20.3 us, 14.6 against 16.0 at D 64); 12 rows and more
 # 0.96-0.99x, fp8 pages 0.91x, B64 L32k 0.996-0.998x
-# (benchmarks/results/decode_attention_merge_ring_h100_2026-12-06.json). The H200 is not named:
+# (benchmarks/results/decode_attention_merge_ring_h100_2026-12-06.json); by CUPTI device time
+# 1.006-1.040x at 8 rows, 0.96-0.98x from 12
+# (decode_attention_kernel_time_merge_h100_2026-12-06.json). The H200 is not named:
 # there the same shapes' ranges overlapped (decode_attention_merge_ring_h200_2026-12-06.json).
 MERGE_KERNEL_BY_DEVICE = (("H100 80GB HBM3", (8, 64)),)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # q (and 16-bit pages)
