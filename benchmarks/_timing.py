@@ -94,15 +94,16 @@ def dispatch_seconds(step, state, reps: int):
   return statistics.median(samples), state
 
 
-def kernel_seconds(call, block, iterations: int = 10) -> tuple[float, int]:
-  """Device seconds of the kernels of one ``call()``, and how many it launches, from CUPTI.
+def kernel_seconds(call, block, iterations: int = 10) -> tuple[float, list[tuple[str, float]]]:
+  """Device seconds of the kernels of one ``call()`` from CUPTI, and those kernels.
 
   ``call`` runs once outside the profile, then ``iterations`` times back to back under CUPTI
   (``block`` waits for the list of their outputs); each kernel's fastest of the calls is
   summed. Unlike ``profiler.measure``, which takes jax functions only, this profiles whatever
   ``call`` launches (FlashInfer through torch too): it uses the same CUPTI hooks of jax's Mosaic
-  GPU extension, which record every kernel of the process. Raises ``RuntimeError`` where the
-  calls launch no kernel or different numbers of them.
+  GPU extension, which record every kernel of the process. Returns (seconds, the kernels of a
+  call in launch order as ``(name, fastest seconds)``). Raises ``RuntimeError`` where the calls
+  launch no kernel or different numbers of them.
   """
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # profiler.measure's CUPTI hooks
 
@@ -116,8 +117,10 @@ def kernel_seconds(call, block, iterations: int = 10) -> tuple[float, int]:
   per_call, rest = divmod(len(timings), iterations)
   if per_call == 0 or rest:
     raise RuntimeError(f"{len(timings)} kernels in {iterations} calls: not the same per call")
-  fastest_ms = [min(ms for _, ms in timings[k::per_call]) for k in range(per_call)]
-  return sum(fastest_ms) / 1e3, per_call
+  kernels = [
+    (timings[k][0], min(ms for _, ms in timings[k::per_call]) / 1e3) for k in range(per_call)
+  ]
+  return sum(seconds for _, seconds in kernels), kernels
 
 
 class _ThreadedStep(jax.stages.Wrapped):

@@ -280,15 +280,29 @@ def time_ours(batch, queries, config=None, interpret=False, notes=None, **timing
   return time_jax(fn, batch.variants(queries), *batch.rest_args, **timing)
 
 
-def kernel_time_ours(batch, queries) -> dict:
+def kernel_time_ours(batch, queries, config=None) -> dict:
   """CUPTI device time of one call of ours (``kernel_seconds``), the calls taking the timed
   program's inputs in turn (its page copies: KV not warm in L2)."""
-  call = jax.jit(_ours("pallas"))
+  call = jax.jit(_ours("pallas", config))
   variants = itertools.cycle(batch.variants(queries))
-  seconds, count = kernel_seconds(
+  seconds, kernels = kernel_seconds(
     lambda: call(next(variants), *batch.rest_args), jax.block_until_ready
   )
-  return {"kernel_us": seconds * 1e6, "kernel_count": count}
+  return _kernel_entry(seconds, kernels)
+
+
+def _listed(kernels) -> str:
+  """A ``_kernel_entry``'s kernels for a table cell: short names and us."""
+  return "; ".join(f"{name[:40]} {us:.1f}" for name, us in kernels)
+
+
+def _kernel_entry(seconds, kernels) -> dict:
+  """A contender's ``kernel_seconds`` in its row: the sum, and each kernel (name, us)."""
+  return {
+    "kernel_us": seconds * 1e6,
+    "kernel_count": len(kernels),
+    "kernels": [[name, kernel_s * 1e6] for name, kernel_s in kernels],
+  }
 
 
 def time_xla(batch, queries, notes=None, **timing):
@@ -444,8 +458,8 @@ def time_flashinfer(batch, queries, notes, kernel_time=False):
   notes["max_abs_diff_vs_ours"] = float(jnp.max(jnp.abs(first - ours.astype(jnp.float32))))
   if kernel_time:
     in_turn = itertools.cycle(calls)  # as ours: the page copies in turn
-    seconds, count = kernel_seconds(lambda: next(in_turn)(), lambda _: torch.cuda.synchronize())
-    notes.update(kernel_us=seconds * 1e6, kernel_count=count)
+    seconds, kernels = kernel_seconds(lambda: next(in_turn)(), lambda _: torch.cuda.synchronize())
+    notes.update(_kernel_entry(seconds, kernels))
     outputs.clear()
   try:
     notes["timing"] = "CUDA graph"
@@ -1173,9 +1187,8 @@ def fp8_register_sweep(rng, out_dir, smoke=False):
 
 
 def breakdown(rng, out_dir):
-  """CUPTI time of every kernel of one call of ours, and the steady-state time per call."""
-  from jax.experimental.mosaic.gpu import profiler
-
+  """CUPTI time of every kernel of one call of ours (``kernel_time_ours``), and the
+  steady-state time per call."""
   merge = dataclasses.replace(default_config(HEAD_DIM, PAGE_SIZE), merge_kernel=True)
   rows = []
   for name, seq_lens, q_len, fp8, config in [
@@ -1191,17 +1204,7 @@ def breakdown(rng, out_dir):
     if fp8:
       batch = to_fp8(batch)
     queries = fresh_queries(rng, len(seq_lens), q_len, inner_count(batch.kv_bytes))
-    call = jax.jit(_ours("pallas", config))
-    args = (batch.variants(queries[:1])[0], *batch.rest_args)
-    jax.block_until_ready(call(*args))
-    kernels = []
-    for _ in range(5):  # keep the fastest of five profiled calls, kernel by kernel
-      _, timings = profiler.measure(call, aggregate=False)(*args)
-      if not kernels:
-        kernels = [[kernel, ms * 1e3] for kernel, ms in timings]
-      else:
-        for entry, (_, ms) in zip(kernels, timings, strict=True):
-          entry[1] = min(entry[1], ms * 1e3)
+    kernels = kernel_time_ours(batch, queries, config)["kernels"]
     wall_us = time_ours(batch, queries, config) * 1e6
     label = name + (" fp8" if fp8 else "") + (" merge kernel" if config is merge else "")
     row = {"shape": label, "q_len": q_len, "wall_us": wall_us, "kernels": kernels}
@@ -1213,16 +1216,17 @@ def breakdown(rng, out_dir):
     "# Where one call of ours spends its time",
     "",
     f"{jax.devices()[0].device_kind}, jax {jax.__version__}; CUPTI time of each kernel (fastest "
-    "of five profiled calls) and the steady-state time per call in a jitted batch of calls.",
+    "of ten calls one after another, taking the page copies in turn) and the steady-state time "
+    "per call in a jitted batch of calls.",
     "",
     "| shape | q_len | per call us | sum of kernels us | kernels (us) |",
     "| --- | --- | --- | --- | --- |",
   ]
   for row in rows:
-    listed = "; ".join(f"{kernel[:40]} {us:.1f}" for kernel, us in row["kernels"])
     total = sum(us for _, us in row["kernels"])
     lines.append(
-      f"| {row['shape']} | {row['q_len']} | {row['wall_us']:.1f} | {total:.1f} | {listed} |"
+      f"| {row['shape']} | {row['q_len']} | {row['wall_us']:.1f} | {total:.1f} "
+      f"| {_listed(row['kernels'])} |"
     )
   markdown = "\n".join(lines) + "\n"
   (out_dir / "decode_attention_breakdown.md").write_text(markdown)
@@ -1663,8 +1667,9 @@ def render_markdown(meta, rows, tuning):
       "the host's launch path or the overlap of the calls of one timed program, which move the "
       "timings above where a call is short. 'vs FlashInfer' is FlashInfer's sum / ours.",
       "",
-      "| section | shape | q_len | ours us (kernels) | FlashInfer us (kernels) | vs FlashInfer |",
-      "| --- | --- | --- | --- | --- | --- |",
+      "| section | shape | q_len | ours us (kernels) | FlashInfer us (kernels) | vs FlashInfer "
+      "| ours' kernels (us) | FlashInfer's kernels (us) |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in timed_by_kernels:
       ours, theirs = row["ours"], row.get("flashinfer", {})
@@ -1675,7 +1680,7 @@ def render_markdown(meta, rows, tuning):
       ratio = f"{theirs['kernel_us'] / ours['kernel_us']:.2f}x" if "kernel_us" in theirs else "n/a"
       lines.append(
         f"| {row['section']} | {row['shape']} | {row['q_len']} | {cells[0]} | {cells[1]} "
-        f"| {ratio} |"
+        f"| {ratio} | {_listed(ours.get('kernels', []))} | {_listed(theirs.get('kernels', []))} |"
       )
   lines += ["", "Time of ours at the longest q_len / at q_len 1:", ""]
   by_shape = {}
