@@ -44,8 +44,9 @@ runs the shapes it names, in its order. ``--kernel-time`` adds, for ours and Fla
 CUPTI device time of one call (the sum of its kernels, ``_timing.kernel_seconds``) and a table
 of it. At small shapes that is the fair comparison: our steady-state timing of a program of
 back-to-back calls is not one call's device time there (on an H100 at B1 L8k it varied from run
-to run and came out below the sum of a call's kernels, 17.8 against 25.3 us at G 12 q_len 7, so
-the program's calls overlap), while FlashInfer's graph runs its calls one after another.
+to run and came out below the sum of a call's kernels, 17.8 against 25.3 us at G 12 q_len 7:
+the program's calls overlap, or the method misreads at that size), while FlashInfer's graph runs
+its calls one after another.
 ``--tune`` instead runs only a sweep of tuning configs (on three shapes; the fp8 ring depth and
 register layout; ``TuningConfig.merge_kernel`` against the XLA merge where the KV is split; the
 128-row two-warpgroup tile at G 12, L 32k) and writes ``results/decode_attention_tuning.{json,md}``;
