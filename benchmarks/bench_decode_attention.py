@@ -297,6 +297,15 @@ def _listed(kernels) -> str:
   return "; ".join(f"{name[:40]} {us:.1f}" for name, us in kernels)
 
 
+def _kernel_time(measure, *args) -> dict:
+  """``measure(*args)``'s ``_kernel_entry``, or the error that stopped it: a contender whose
+  device time cannot be taken keeps its timing."""
+  try:
+    return measure(*args)
+  except Exception as error:  # reported in the row, not fatal
+    return {"kernel_error": f"{type(error).__name__}: {str(error)[:300]}"}
+
+
 def _kernel_entry(seconds, kernels) -> dict:
   """A contender's ``kernel_seconds`` in its row: the sum, and each kernel (name, us)."""
   return {
@@ -458,9 +467,14 @@ def time_flashinfer(batch, queries, notes, kernel_time=False):
   ours = paged_decode_attention(queries[0], *batch.shared_args[:4], impl="pallas")
   notes["max_abs_diff_vs_ours"] = float(jnp.max(jnp.abs(first - ours.astype(jnp.float32))))
   if kernel_time:
-    in_turn = itertools.cycle(calls)  # as ours: the page copies in turn
-    seconds, kernels = kernel_seconds(lambda: next(in_turn)(), lambda _: torch.cuda.synchronize())
-    notes.update(_kernel_entry(seconds, kernels))
+
+    def device_time():
+      in_turn = itertools.cycle(calls)  # as ours: the page copies in turn
+      return _kernel_entry(
+        *kernel_seconds(lambda: next(in_turn)(), lambda _: torch.cuda.synchronize())
+      )
+
+    notes.update(_kernel_time(device_time))
     outputs.clear()
   try:
     notes["timing"] = "CUDA graph"
@@ -513,11 +527,10 @@ class Shape(NamedTuple):
   fp8: bool = False  # time ours on bf16 and on fp8 pages of the same values
 
 
+# The contenders run_shape times with no options of their own (ours, XLA and FlashInfer take
+# the run's timing, interpret or kernel-time options there).
 TIMERS = {
-  "ours": time_ours,
-  "flashinfer": time_flashinfer,
   "triton_per_row": time_triton_per_row,
-  "xla": time_xla,
   "torch_sdpa": time_torch_sdpa,
 }
 
@@ -553,7 +566,7 @@ def run_shape(rng, shape: Shape, smoke=False, kernel_time=False):
           if contender == "ours":
             seconds = time_ours(pages, queries, interpret=smoke, **timing)
             if kernel_time and label == "bf16":
-              entry.update(kernel_time_ours(pages, queries))
+              entry.update(_kernel_time(kernel_time_ours, pages, queries))
           elif contender == "xla":
             seconds = time_xla(pages, queries, **timing)
           elif contender == "flashinfer":
@@ -1694,10 +1707,12 @@ def render_markdown(meta, rows, tuning):
       longest = max(times)
       lines.append(f"- {shape}: q_len {longest} / 1 = {times[longest] / times[1]:.2f}")
   failures = [
-    (row["shape"], row["q_len"], name, entry["error"])
+    (row["shape"], row["q_len"], name + suffix, entry[key])
     for row in rows
     for name, entry in row.items()
-    if isinstance(entry, dict) and "error" in entry
+    if isinstance(entry, dict)
+    for key, suffix in (("error", ""), ("kernel_error", " (device time)"))
+    if key in entry
   ]
   if failures:
     lines += ["", "Contenders that failed:", ""]
