@@ -594,6 +594,18 @@ def no_device_rule(monkeypatch):
   monkeypatch.setattr(api, "gpu_device_kind", lambda: None)
 
 
+@pytest.mark.parametrize(
+  "batch, num_kv_heads, max_blocks, sms, chunks",
+  [(1, 8, 128, 132, 16), (2, 8, 128, 132, 8), (1, 1, 1000, 132, 132), (1, 8, 10, 132, 5)]
+  + [(1, 8, 1, 132, 1), (17, 8, 128, 132, 1), (16, 8, 128, 132, 1), (3, 1, 64, 4, 1)],
+)
+def test_default_split_streams_one_chunk_per_sm(batch, num_kv_heads, max_blocks, sms, chunks):
+  """The measured policy (one request, H100): each SM streams one chunk of one (request, KV
+  head) pair, chunks at least 2 blocks long, no split once the pairs fill the SMs; row tiles of
+  a pair are not counted."""
+  assert mosaic_gpu.default_num_chunks(batch, num_kv_heads, max_blocks, sms) == chunks
+
+
 @pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize(
   "q_len, group, kv_dtype, transposed",

@@ -236,8 +236,8 @@ class TuningConfig:
       ``P V``); a multiple of 64 and of the page size.
     num_stages: depth of the shared-memory ring of K/V blocks in flight.
     num_chunks: KV chunks per request (the split-KV factor); ``None`` picks it
-      from the batch size so that the work items fill every SM's resident
-      slots once (see ``default_num_chunks``).
+      from the batch size so that every SM streams one chunk (see
+      ``default_num_chunks``).
     two_warpgroup_tiles: when ``G * q_len > 64``, serve all rows of a pair
       with one 128-row tile of two warpgroups that share each K/V block,
       instead of 64-row tiles that each read the KV. 16-bit pages only;
@@ -513,19 +513,29 @@ def smem_bytes(
   return ring + staging + rows * (head_dim + config.block_kv) * 2 + rows * 4
 
 
-def default_num_chunks(
-  batch: int, num_kv_heads: int, row_tiles: int, max_blocks: int, slots: int
-) -> int:
-  """Split factor so that the work items fill the resident slots of all SMs once.
+def default_num_chunks(batch: int, num_kv_heads: int, max_blocks: int, sms: int) -> int:
+  """Split factor so that every SM streams one chunk of one (request, KV head) pair's KV.
 
-  A batch that already fills them is not split (splitting only adds merge
-  traffic); otherwise each request is cut so that ``items * chunks`` is at
-  most one full wave, and chunks stay at least 2 blocks long.
+  A batch with a pair per SM already is not split (splitting only adds merge
+  traffic); otherwise each request is cut so that ``pairs * chunks`` is at most
+  the SM count, and chunks stay at least 2 blocks long. The row tiles of a pair
+  (more than one where its packed rows exceed a tile) read the same chunk, the
+  second from L2, so they are not counted.
+
+  One long chunk per SM streams that SM's share of the KV through one ring, where
+  several short resident items each pay their ring's fill and their own partial
+  output. At one request (8 KV heads, so 16 chunks on 132 SMs, against the 49 of
+  filling every resident slot) this ran, H100, device time of the kernels by CUPTI,
+  bf16 D 128 L8k: G 8 q_len 1 17.8 against 19.0 us, q_len 3 21.1 against 25.4 us,
+  q_len 7 22.0 against 25.6 us, G 12 q_len 1 20.2 against 22.2 us, D 64 12.3 against
+  14.9 us; equal at L32k (51.5 against 51.7 us) and L2k. Counting the two row tiles of
+  G 12 q_len 6 and 7 as well (8 chunks, an item per SM) ran 26.5 and 27.0 us against 25.1
+  and 25.6 us with 16 (``benchmarks/results/decode_attention_b1_chunks_h100_2026-12-06.json``).
   """
-  items = batch * num_kv_heads * row_tiles
-  if items >= slots:
+  pairs = batch * num_kv_heads
+  if pairs >= sms:
     return 1
-  return max(1, min(slots // items, max_blocks // 2))
+  return max(1, min(sms // pairs, max_blocks // 2))
 
 
 def packed_rows(q, k_pages) -> int:
@@ -631,10 +641,9 @@ def paged_decode_attention_mosaic_gpu(
   max_blocks = pl.cdiv(capacity, block_kv)
   item_smem = smem_bytes(head_dim, config, rows_per_tile, jnp.dtype(k_pages.dtype).itemsize)
   items_per_sm = max(1, min(4, _SMEM_PER_SM // item_smem))
-  slots = num_sms(config.num_sms) * items_per_sm  # work items resident at once
-  num_chunks = config.num_chunks or default_num_chunks(
-    batch, num_kv_heads, row_tiles, max_blocks, slots
-  )
+  sms = num_sms(config.num_sms)
+  slots = sms * items_per_sm  # work items resident at once
+  num_chunks = config.num_chunks or default_num_chunks(batch, num_kv_heads, max_blocks, sms)
   # One chunk length for the whole batch (in blocks, [B]), planned on the device.
   balanced = config.balance_waves is not None and batch > 1
   if balanced:
