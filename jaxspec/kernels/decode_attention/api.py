@@ -1,5 +1,6 @@
 """Public entry point of paged multi-row (MTP) decode attention."""
 
+import functools
 import math
 import numbers
 
@@ -127,6 +128,24 @@ def _first_index(breach: jax.Array) -> tuple[int, ...]:
   return tuple(int(i) for i in np.argwhere(np.asarray(breach))[0])
 
 
+@functools.partial(jax.jit, static_argnames=("num_pages", "page_size"))
+def _contract_breaches(
+  block_tables: jax.Array,  # int32 [B, P]
+  seq_lens: jax.Array,  # int32 [B]
+  *,
+  num_pages: int,
+  page_size: int,
+) -> tuple[jax.Array, jax.Array]:  # bool [B], bool [B, P]
+  """Where the device contract breaks: lengths outside ``[0, capacity]`` and page ids inside a
+  live length outside ``[0, num_pages)``. One program, so that an eager call compiles the check
+  once per shape rather than once per elementwise op."""
+  capacity = block_tables.shape[1] * page_size
+  length_breach = (seq_lens < 0) | (seq_lens > capacity)
+  live = jnp.arange(block_tables.shape[1], dtype=jnp.int32)[None, :] * page_size < seq_lens[:, None]
+  page_breach = live & ((block_tables < 0) | (block_tables >= num_pages))
+  return length_breach, page_breach
+
+
 def _require_device_contract(block_tables, seq_lens, num_pages: int, page_size: int) -> None:
   """``0 <= seq_lens[b] <= capacity``; page ids inside each live length in ``[0, num_pages)``.
 
@@ -136,34 +155,33 @@ def _require_device_contract(block_tables, seq_lens, num_pages: int, page_size: 
   max_pages = block_tables.shape[1]
   capacity = max_pages * page_size
   table = f"the block table's capacity {capacity} ({max_pages} pages of {page_size})"
-  length_breach = (seq_lens < 0) | (seq_lens > capacity)  # [B]
-  live = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size < seq_lens[:, None]
-  page_breach = live & ((block_tables < 0) | (block_tables >= num_pages))  # [B, P]
-  concrete = not isinstance(length_breach, jax.core.Tracer)
-
-  message = f"seq_lens must be in [0, capacity]: [0, {capacity}], {table}"
-  if concrete and bool(jnp.any(length_breach)):
+  pages = f"[0, {num_pages})"
+  length_breach, page_breach = _contract_breaches(
+    block_tables, seq_lens, num_pages=num_pages, page_size=page_size
+  )
+  if isinstance(length_breach, jax.core.Tracer):
+    require(~length_breach, f"seq_lens must be in [0, capacity]: [0, {capacity}], {table}")
+    require(
+      ~page_breach,
+      f"block_tables: every page id inside a request's length must be in {pages} "
+      "(the pages of k_pages / v_pages)",
+    )
+    return
+  length_breach, page_breach = np.asarray(length_breach), np.asarray(page_breach)
+  if length_breach.any():
     (b,) = _first_index(length_breach)
     length = int(seq_lens[b])
-    message = (
+    raise ValueError(
       f"seq_lens[{b}] = {length} is negative"
       if length < 0
       else f"seq_lens[{b}] = {length} exceeds {table}"
     )
-  require(~length_breach, message)
-
-  message = (
-    f"block_tables: every page id inside a request's length must be in [0, {num_pages}) "
-    "(the pages of k_pages / v_pages)"
-  )
-  if concrete and bool(jnp.any(page_breach)):
+  if page_breach.any():
     b, i = _first_index(page_breach)
-    message = (
-      f"block_tables[{b}, {i}] = {int(block_tables[b, i])} is not a page id in "
-      f"[0, {num_pages}), but request {b} uses page {i} (seq_lens[{b}] = {int(seq_lens[b])}, "
-      f"pages of {page_size})"
+    raise ValueError(
+      f"block_tables[{b}, {i}] = {int(block_tables[b, i])} is not a page id in {pages}, but "
+      f"request {b} uses page {i} (seq_lens[{b}] = {int(seq_lens[b])}, pages of {page_size})"
     )
-  require(~page_breach, message)
 
 
 def _default_config(q, k_pages, *_, **__) -> mosaic_gpu.TuningConfig:
