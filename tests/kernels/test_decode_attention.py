@@ -401,14 +401,15 @@ NATIVE_ONLY_CASES = [
 ]
 
 
-def interpreted_and_native(cases):
-  """``(case, interpret)`` params: every case natively on the GPU, and interpreted on any host
-  unless it is one of ``NATIVE_ONLY_CASES``."""
+def interpreted_and_native(cases, native_only, case_id=lambda case: case.id, spread=False):
+  """``(case, interpret)`` params (``(*case, interpret)`` with ``spread``): every case natively
+  on the GPU, and interpreted on any host unless it is in ``native_only``."""
   params = []
   for case in cases:
-    if case not in NATIVE_ONLY_CASES:
-      params.append(pytest.param(case, True, id=f"{case.id}-True"))
-    params.append(pytest.param(case, False, id=f"{case.id}-False", marks=pytest.mark.gpu))
+    values = tuple(case) if spread else (case,)
+    if case not in native_only:
+      params.append(pytest.param(*values, True, id=f"{case_id(case)}-True"))
+    params.append(pytest.param(*values, False, id=f"{case_id(case)}-False", marks=pytest.mark.gpu))
   return params
 
 
@@ -424,7 +425,8 @@ def interpreted_and_native(cases):
     + MERGE_KERNEL_CASES
     + DEFERRED_ROW_SUM_CASES
     + TRANSPOSED_CASES
-    + PAGE_IDS_AHEAD_CASES
+    + PAGE_IDS_AHEAD_CASES,
+    NATIVE_ONLY_CASES,
   ),
 )
 def test_kernel_matches_float64(case, interpret):
@@ -436,24 +438,34 @@ def test_kernel_matches_float64(case, interpret):
   assert not (interpret and races_found())
 
 
-@pytest.mark.parametrize("interpret", ON_GPU_OR_INTERPRETED)
+# Row tiles of 64 merged natively only, like the interpreted tiles of (6, 12, 64, BF16, 3, 64)
+# (two tiles, D 64) and (1, 1, 128, F16, 2, 64) (D 128).
+MERGE_NATIVE_ONLY = [(5, 3, 128, BF16, 4, 64), (8, 16, 64, BF16, 2, 64)]
+
+
 @pytest.mark.parametrize(
-  "q_len, group, head_dim, dtype, num_chunks, tile_rows",
-  [
-    (6, 12, 64, BF16, 3, 64),
-    (1, 1, 128, F16, 2, 64),
-    (5, 3, 128, BF16, 4, 64),
-    (8, 16, 64, BF16, 2, 64),
-    # more chunks than a warpgroup's ring has slots: slots refilled (4 slots of 64 rows at
-    # D 128, 6 chunks for warpgroup 0 and 5 for the others)
-    (1, 8, 128, BF16, 21, 64),
-    # transposed scores tiles, merged as [64, N]: 10 chunks a warpgroup for 8 slots of 8 rows,
-    # 6 for 5 slots of 56 rows, and one chunk a warpgroup
-    (1, 8, 128, BF16, 40, 8),
-    (7, 8, 128, F16, 24, 56),
-    (6, 12, 64, BF16, 5, 72),  # beyond 64 rows: two warpgroups
-    (2, 6, 64, BF16, 3, 16),
-  ],
+  "q_len, group, head_dim, dtype, num_chunks, tile_rows, interpret",
+  interpreted_and_native(
+    [
+      (6, 12, 64, BF16, 3, 64),
+      (1, 1, 128, F16, 2, 64),
+      *MERGE_NATIVE_ONLY,
+      # more chunks than a warpgroup's ring has slots: slots refilled (4 slots of 64 rows at
+      # D 128, 6 chunks for warpgroup 0 and 5 for the others)
+      (1, 8, 128, BF16, 21, 64),
+      # transposed scores tiles, merged as [64, N]: 10 chunks a warpgroup for 8 slots of 8 rows,
+      # 6 for 5 slots of 56 rows, and one chunk a warpgroup
+      (1, 8, 128, BF16, 40, 8),
+      (7, 8, 128, F16, 24, 56),
+      (6, 12, 64, BF16, 5, 72),  # beyond 64 rows: two warpgroups
+      (2, 6, 64, BF16, 3, 16),
+    ],
+    MERGE_NATIVE_ONLY,
+    case_id=lambda case: "-".join(
+      str(jnp.dtype(x)) if i == 3 else str(x) for i, x in enumerate(case)
+    ),
+    spread=True,
+  ),
 )
 def test_merge_kernel_matches_the_xla_merge(
   q_len, group, head_dim, dtype, num_chunks, tile_rows, interpret
