@@ -64,27 +64,43 @@ def _draft_head_config(**changes) -> trainer.TrainConfig:
   )
 
 
+_STEPS = 3
+_SEQ_LEN = 32
+
+
+def _stream() -> jax.Array:
+  return jax.random.randint(jax.random.key(2), (4096,), 1, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def jointly_trained():
+  """The parameters before training, and the names of those that the test's steps move without
+  the freeze (joint training, data labels; the router's correction bias has no gradient)."""
+  config = dataclasses.replace(cli.SMOKE, seq_len=_SEQ_LEN)
+  run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
+  before = _leaves(run.params)
+  for step in range(_STEPS):
+    run.train_step(_stream(), jax.random.key(step), 1e-3)
+  after = _leaves(run.params)
+  return before, {name for name, value in before.items() if not np.array_equal(after[name], value)}
+
+
 @pytest.mark.parametrize("mtp_labels", trainer.MTP_LABELS)
-def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(mtp_labels):
+def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(
+  mtp_labels, jointly_trained
+):
   # Greedy text is checked end to end in test_training.py (the CLI phase, bit for bit).
-  config = _draft_head_config(mtp_labels=mtp_labels, seq_len=32)
-  stream = jax.random.randint(jax.random.key(2), (4096,), 1, VOCAB)
+  before, trained = jointly_trained
+  config = _draft_head_config(mtp_labels=mtp_labels, seq_len=_SEQ_LEN)
   frozen_run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
-  joint_run = trainer.Trainer(
-    trainer.smoke_model_config(VOCAB),
-    dataclasses.replace(config, draft_head_only=False, init_from=None),
-    _model(),
-  )
-  before = _leaves(frozen_run.params)
-  for step in range(3):
-    key = jax.random.key(step)
-    metrics = frozen_run.train_step(stream, key, 1e-3)
+  start = _leaves(frozen_run.params)  # the joint run's start too, so its trained names apply
+  assert start.keys() == before.keys()
+  assert all(np.array_equal(start[name], value) for name, value in before.items())
+  for step in range(_STEPS):
+    metrics = frozen_run.train_step(_stream(), jax.random.key(step), 1e-3)
     assert np.isfinite(float(metrics["loss"]))
-    joint_run.train_step(stream, key, 1e-3)
-  frozen, joint = _leaves(frozen_run.params), _leaves(joint_run.params)
-  trained = {name for name, value in before.items() if not np.array_equal(joint[name], value)}
-  # Without the freeze the same steps move the target too (the router's correction bias has no
-  # gradient and moves in neither run): the checks below can fail.
+  frozen = _leaves(frozen_run.params)
+  # Without the freeze the same steps move the target too: the checks below can fail.
   assert any(not name.startswith("['mtp']") for name in trained)
   for name, value in before.items():
     if not name.startswith("['mtp']"):
