@@ -383,12 +383,16 @@ MERGE_KERNEL_CASES = [
 # Cases that run natively only: interpreted, each would repeat another case's run, because the
 # interpreter does not model what sets it apart (register layouts; fp8 K and V converted in
 # registers, which it stages as the transposed fp8 cases do) or because the same shapes run
-# interpreted with one more feature on (a producer warpgroup, the denominators' deferred sum).
+# interpreted with one more feature on (a producer warpgroup, the denominators' deferred sum,
+# the fp8 staging overlap).
 # Each interpreted case costs seconds of a CPU run, almost all tracing and compiling it.
 NATIVE_ONLY_CASES = [
   TWO_WARPGROUP_CASES[1],  # PRODUCER_CASES[1]: the same shapes with the producer warpgroup
   TWO_WARPGROUP_CASES[2],  # PRODUCER_CASES[2]
-  FP8_CASES[5],  # 8-bit layout; the staged fp8 row tiles of FP8_CASES[0, 1] interpreted
+  FP8_CASES[0],  # FP8_OVERLAP_CASES[0]: the same shapes with the row tiles' default overlap
+  FP8_CASES[2],  # FP8_OVERLAP_CASES[1]
+  FP8_CASES[4],  # FP8_OVERLAP_CASES[3]
+  FP8_CASES[5],  # 8-bit layout; FP8_CASES[1] interprets one staging block with chunks
   FP8_CASES[6],  # 8-bit layout; FP8_CASES[3] interprets fp8 on one stage
   DEFERRED_ROW_SUM_CASES[2],  # 128-position blocks; DEFERRED_ROW_SUM_CASES[3] covers refills
   TRANSPOSED_CASES[0],  # TRANSPOSED_CASES[12]: the same shapes with the deferred sum
