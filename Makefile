@@ -1,6 +1,4 @@
 # Set-up and everyday commands. `make setup` builds .venv with Python 3.12 (pyenv's if present).
-# --no-compile: Python compiles what it imports on first use, not every installed module; a fresh
-# set-up on a 2-core machine took 34 s against 51.
 PYTHON312 ?= $(shell (ls -d $$(pyenv root 2>/dev/null)/versions/3.12.*/bin/python3.12 2>/dev/null; command -v python3.12) | head -n 1)
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || (echo "error: Python 3.12 not found (install it, e.g. pyenv install 3.12)" >&2; exit 1)
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e '.[test,notebooks]'
+	$(PY) -m pip install --quiet -e '.[test,notebooks]'
 	touch $@
 
 generate: setup
