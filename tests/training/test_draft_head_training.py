@@ -78,9 +78,9 @@ def jointly_trained():
   the freeze (joint training, data labels; the router's correction bias has no gradient)."""
   config = dataclasses.replace(cli.SMOKE, seq_len=_SEQ_LEN)
   run = trainer.Trainer(trainer.smoke_model_config(VOCAB), config, _model())
-  before = _leaves(run.params)
+  before, stream = _leaves(run.params), _stream()
   for step in range(_STEPS):
-    run.train_step(_stream(), jax.random.key(step), 1e-3)
+    run.train_step(stream, jax.random.key(step), 1e-3)
   after = _leaves(run.params)
   return before, {name for name, value in before.items() if not np.array_equal(after[name], value)}
 
@@ -96,8 +96,9 @@ def test_draft_head_only_trains_the_mtp_layer_and_leaves_the_rest_bit_for_bit(
   start = _leaves(frozen_run.params)  # the joint run's start too, so its trained names apply
   assert start.keys() == before.keys()
   assert all(np.array_equal(start[name], value) for name, value in before.items())
+  stream = _stream()
   for step in range(_STEPS):
-    metrics = frozen_run.train_step(_stream(), jax.random.key(step), 1e-3)
+    metrics = frozen_run.train_step(stream, jax.random.key(step), 1e-3)
     assert np.isfinite(float(metrics["loss"]))
   frozen = _leaves(frozen_run.params)
   # Without the freeze the same steps move the target too: the checks below can fail.
