@@ -27,7 +27,9 @@ At T = 4096, K = 2048 the same run also times two *copy ceilings*, the conversio
 without its lookups, so the kernel can be judged against what this GPU does for such traffic: XLA
 reading the top-k and writing an int32 array of its shape in one fused elementwise kernel, and,
 where torch with CUDA is importable, the CUDA driver's device-to-device memcpy of the same bytes
-(``torch.Tensor.copy_``, its ``Memcpy DtoD`` time from torch's CUPTI-based profiler).
+(``torch.Tensor.copy_``, its ``Memcpy DtoD`` time from torch's CUPTI-based profiler); and where
+Triton is importable too, the fastest of a sweep of plain-load Triton copies and of the whole
+conversion written as plain vector loads and stores (``triton_index_contenders.py``).
 
 Usage: ``python benchmarks/bench_sparse_index.py [--out DIR] [--target-only] [--table-only]``;
 about 3 minutes on an H200. ``--target-only`` times T = 4096, K = 2048 only (under a minute) and
@@ -49,7 +51,7 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 from jaxspec.kernels import convert_topk_to_physical
-from jaxspec.kernels.sparse_index import mosaic_gpu
+from jaxspec.kernels.sparse_index import mosaic_gpu, reference
 
 TOKEN_COUNTS = (64, 512, 4096)
 TOPK = 2048  # GLM-5's top-k: every variant is timed here
@@ -90,6 +92,12 @@ ANY_TOPK_VARIANTS = (
   "pallas_persistent_8x2_gmem_contiguous",
 )
 DEFAULT = "pallas_smem_table"
+# time_torch_ceilings' entries -> the target row's keys.
+CEILING_KEYS = {
+  "memcpy": "memcpy_ceiling",
+  "triton_copy": "triton_copy_ceiling",
+  "triton_convert": "triton_convert",
+}
 assert VARIANTS[DEFAULT] == mosaic_gpu.default_config()
 
 
@@ -157,43 +165,115 @@ def time_copy_ceiling(sets, num_tokens, topk_size):
   return entry
 
 
-def time_memcpy_ceiling(num_tokens, topk_size):
-  """Device time of the CUDA driver's device-to-device memcpy of an int32 `[T, K]` array (the
-  top-k's bytes) into a fresh one, over `SETS` random arrays (torch ``copy_``, timed by
-  ``torch.profiler``), or None without torch and CUDA. Run after every JAX contender: once torch's
-  profiler has held CUPTI, Mosaic GPU's profiler cannot subscribe to it."""
+def _torch_device_us(launch, count: int) -> tuple[float, list[str]]:
+  """Median device time of ``launch(i)`` for i in range(count), each ``REPEATS`` times, from
+  torch's CUPTI-based profiler; and the kernels' names. One device event per launch, or the
+  timing would mean something else."""
+  import torch
+
+  torch.cuda.synchronize()
+  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for _ in range(REPEATS):
+      for i in range(count):
+        launch(i)
+    torch.cuda.synchronize()
+  events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+  if len(events) != REPEATS * count:
+    raise RuntimeError(f"{len(events)} device events for {REPEATS * count} launches")
+  return statistics.median(e.device_time for e in events), sorted({e.name for e in events})
+
+
+def time_torch_ceilings(host_sets, want) -> dict | None:
+  """Where torch with CUDA is importable, on the first ``SETS`` input sets: the CUDA driver's
+  device-to-device memcpy of the top-k bytes into a fresh array (torch ``copy_``), and, with
+  Triton, the fastest of ``triton_index_contenders``' plain-load copies and conversions (every
+  output checked; the conversion against NumPy). None without torch and CUDA. Run after every
+  JAX contender: once torch's profiler has held CUPTI, Mosaic GPU's profiler cannot subscribe to
+  it."""
   try:
     import torch
   except ImportError:
     return None
   if not torch.cuda.is_available():
     return None
-  generator = torch.Generator(device="cuda").manual_seed(0)
-  shape = (num_tokens, topk_size)
-  sources = [
-    torch.randint(-1, 1 << 20, shape, dtype=torch.int32, device="cuda", generator=generator)
-    for _ in range(SETS)
-  ]
-  pairs = [(source, torch.empty_like(source)) for source in sources]
-  for source, target in pairs:
-    target.copy_(source)
-  if not all(torch.equal(source, target) for source, target in pairs):
-    raise RuntimeError("memcpy ceiling: a copy differs from its source")
-  torch.cuda.synchronize()
-  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-    for _ in range(REPEATS):
-      for source, target in pairs:
-        target.copy_(source)
-    torch.cuda.synchronize()
-  events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
-  if len(events) != REPEATS * SETS:  # one memcpy per copy_, or the timing means something else
-    raise RuntimeError(f"memcpy ceiling: {len(events)} device events for {REPEATS * SETS} copies")
-  kernel_us = statistics.median(e.device_time for e in events)
-  return {
-    "kernel_us": kernel_us,
-    "effective_TBps": 8 * num_tokens * topk_size / kernel_us / 1e6,
-    "kernel_names": sorted({e.name for e in events}),
+  inputs = [tuple(torch.from_numpy(a).cuda() for a in s) for s in host_sets[:SETS]]
+  num_tokens, topk_size = host_sets[0][2].shape
+  traffic = 8 * num_tokens * topk_size
+
+  def entry(launch, check, **extra):
+    for i in range(SETS):
+      launch(i)
+    check()
+    kernel_us, names = _torch_device_us(launch, SETS)
+    return (
+      {"kernel_us": kernel_us, "effective_TBps": traffic / kernel_us / 1e6}
+      | extra
+      | {"kernel_names": names}
+    )
+
+  copies = [torch.empty_like(s[2]) for s in inputs]
+  ceilings = {
+    "memcpy": entry(
+      lambda i: copies[i].copy_(inputs[i][2]),
+      lambda: _require(
+        all(torch.equal(c, s[2]) for c, s in zip(copies, inputs, strict=True)), "memcpy"
+      ),
+    )
   }
+  try:
+    import triton_index_contenders as tic
+  except ImportError:  # no Triton: the memcpy alone
+    return ceilings
+  flipped = [torch.empty_like(s[2]) for s in inputs]
+
+  def check_copy():
+    _require(all(torch.equal(f, s[2] ^ 1) for f, s in zip(flipped, inputs, strict=True)), "copy")
+
+  copy_configs = [c for c in tic.COPY_CONFIGS if (num_tokens * topk_size) % c[0] == 0]
+  ceilings["triton_copy"] = min(
+    (
+      entry(
+        lambda i, config=config: tic.copy(inputs[i][2], flipped[i], config),
+        check_copy,
+        config=config,
+        configs_swept=len(copy_configs),
+      )
+      for config in copy_configs
+    ),
+    key=lambda e: e["kernel_us"],
+  )
+  physical = [torch.empty_like(s[2]) for s in inputs]
+  counts = [torch.empty(num_tokens, dtype=torch.int32, device="cuda") for _ in inputs]
+  max_entry = reference.max_table_entry(BLOCK_SIZE, BLOCK_SIZE)
+
+  def convert(i, config):
+    tic.convert(
+      *inputs[i], physical[i], counts[i], block_size=BLOCK_SIZE, max_entry=max_entry, config=config
+    )
+
+  def check_conversion():
+    np.testing.assert_array_equal(physical[0].cpu().numpy(), want[0], err_msg="triton convert")
+    np.testing.assert_array_equal(counts[0].cpu().numpy(), want[1], err_msg="triton convert")
+
+  convert_configs = [c for c in tic.CONVERT_CONFIGS if topk_size % min(c[0], topk_size) == 0]
+  ceilings["triton_convert"] = min(
+    (
+      entry(
+        functools.partial(convert, config=config),
+        check_conversion,
+        config=config,
+        configs_swept=len(convert_configs),
+      )
+      for config in convert_configs
+    ),
+    key=lambda e: e["kernel_us"],
+  )
+  return ceilings
+
+
+def _require(ok: bool, name: str) -> None:
+  if not ok:
+    raise RuntimeError(f"{name}: an output differs from what it must be")
 
 
 def time_programs(single, double, sets, name):
@@ -214,8 +294,13 @@ def time_programs(single, double, sets, name):
   }
 
 
-def bench_shape(rng, num_tokens, topk_size):
-  host_sets = [make_inputs(rng, num_tokens, topk_size) for _ in range(2 * SETS)]
+def make_sets(rng, num_tokens, topk_size):
+  """``2 * SETS`` input sets (host arrays): a program of ``2 * SETS`` calls reads each once."""
+  return [make_inputs(rng, num_tokens, topk_size) for _ in range(2 * SETS)]
+
+
+def bench_shape(host_sets):
+  num_tokens, topk_size = host_sets[0][2].shape
   sets = [tuple(jnp.asarray(a) for a in s) for s in host_sets]
   want = numpy_reference(*host_sets[0])
   moved_bytes = 8 * num_tokens * topk_size + 8 * num_tokens
@@ -312,6 +397,25 @@ def markdown(result):
         f"{TARGET_US / memcpy['kernel_us']:.2f}x that, the default kernel "
         f"{row[DEFAULT]['kernel_us'] / memcpy['kernel_us']:.2f}x.",
       ]
+    if (copy := row.get("triton_copy_ceiling")) and memcpy:
+      lines += [
+        "",
+        f"The fastest plain-load copy of {copy['configs_swept']} Triton configurations (block, "
+        f"warps, cache hints; `triton_index_contenders.py`), {copy['config']}: "
+        f"{copy['kernel_us']:.1f} us ({copy['effective_TBps']:.2f} TB/s), "
+        f"{copy['kernel_us'] / memcpy['kernel_us']:.3f}x the memcpy; the target is "
+        f"{TARGET_US / copy['kernel_us']:.3f}x it, the default kernel "
+        f"{row[DEFAULT]['kernel_us'] / copy['kernel_us']:.2f}x.",
+      ]
+    if convert := row.get("triton_convert"):
+      lines += [
+        "",
+        f"The whole conversion as plain vector loads and stores (Triton, one program per token, "
+        f"table entries read through L1; fastest of {convert['configs_swept']} configurations, "
+        f"{convert['config']}, output checked against NumPy): {convert['kernel_us']:.1f} us; "
+        f"the default kernel takes {row[DEFAULT]['kernel_us'] / convert['kernel_us']:.3f}x "
+        "that.",
+      ]
   return "\n".join(lines) + "\n"
 
 
@@ -332,20 +436,27 @@ def main():
   rng = np.random.default_rng(0)
   token_counts = (TARGET[0],) if args.target_only else TOKEN_COUNTS
   other_topks = () if args.target_only else OTHER_TOPKS
+  target_sets = make_sets(rng, *TARGET)
+
+  def sets_for(tokens, topk_size):
+    return target_sets if (tokens, topk_size) == TARGET else make_sets(rng, tokens, topk_size)
+
   result = {
     "gpu": jax.devices()[0].device_kind,
     "jax": jax.__version__,
     "date": datetime.date.today().isoformat(),
     "variants": {name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
     # K = 2048 rows (the notebook reads this section), then the other widths.
-    "kernel_vs_xla": [bench_shape(rng, tokens, TOPK) for tokens in token_counts],
-    "any_topk": [bench_shape(rng, t, k) for k in other_topks for t in token_counts],
+    "kernel_vs_xla": [bench_shape(sets_for(tokens, TOPK)) for tokens in token_counts],
+    "any_topk": [bench_shape(sets_for(t, k)) for k in other_topks for t in token_counts],
   }
-  # After every JAX contender (see time_memcpy_ceiling), beside the XLA copy ceiling.
+  # After every JAX contender (see time_torch_ceilings), beside the XLA copy ceiling.
   target_row = next(row for row in result["kernel_vs_xla"] if row["tokens"] == TARGET[0])
-  if memcpy := time_memcpy_ceiling(*TARGET):
-    target_row["memcpy_ceiling"] = memcpy
-    print(f"T={TARGET[0]:5d} K={TARGET[1]:5d} memcpy ceiling: {memcpy}", flush=True)
+  ceilings = time_torch_ceilings(target_sets, numpy_reference(*target_sets[0])) or {}
+  for name, key in CEILING_KEYS.items():
+    if name in ceilings:
+      target_row[key] = ceilings[name]
+      print(f"T={TARGET[0]:5d} K={TARGET[1]:5d} {key}: {ceilings[name]}", flush=True)
   # A target-only run keeps the full results (the notebook reads them) and writes beside them.
   stem = "sparse_index_target" if args.target_only else "sparse_index"
   args.out.mkdir(parents=True, exist_ok=True)
