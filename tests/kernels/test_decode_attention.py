@@ -507,6 +507,43 @@ def test_merge_kernel_matches_the_xla_merge(
   chex.assert_trees_all_close(out.astype(F32), expected.astype(F32), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(
+  "q_len, group, num_chunks, tile_rows, interpret",
+  interpreted_and_native(
+    [(3, 8, 3, 64), (1, 8, 4, 8)], [], case_id=lambda case: "-".join(map(str, case)), spread=True
+  ),
+)
+def test_merge_kernel_folds_in_the_v_scale(q_len, group, num_chunks, tile_rows, interpret):
+  """fp8 pages: the merge kernel multiplies each KV head's merged rows by its ``v_scale`` and
+  writes q's dtype, as XLA's merge followed by the float32 product and one rounding; row tiles
+  and a transposed scores tile."""
+  batch, num_kv_heads, head_dim, num_rows = 2, 2, 128, q_len * group
+  padded_rows = -(-num_rows // tile_rows) * tile_rows
+  rng = np.random.default_rng(num_rows * num_chunks)
+  shape = (batch, num_chunks, num_kv_heads, padded_rows)
+  lse = jnp.asarray(rng.uniform(-6.0, 6.0, shape), F32)
+  tiles = jnp.asarray(rng.standard_normal((*shape, head_dim)) * 100, F16)
+  v_scale = jnp.asarray([0.0037, 2.5], F32)  # [Hkv]
+  merged = mosaic_gpu.merge_chunks(tiles, lse).astype(F32)[:, :, :num_rows]  # [B, Hkv, R, D]
+  merged = merged * v_scale[None, :, None, None]
+  merged = merged.reshape(batch, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+  expected = merged.reshape(batch, q_len, num_kv_heads * group, head_dim)
+  out = mosaic_gpu.merge_chunks_mosaic_gpu(
+    tiles.reshape(batch * num_chunks, num_kv_heads, padded_rows, head_dim),
+    lse.reshape(batch * num_chunks, num_kv_heads, padded_rows),
+    num_chunks=num_chunks,
+    q_len=q_len,
+    group=group,
+    v_scale=v_scale,
+    out_dtype=BF16,
+    interpret=interpret,
+  )
+  assert not (interpret and races_found())
+  chex.assert_type(out, BF16)
+  # One bf16 rounding of the float32 result; the reference went through float16 once more.
+  chex.assert_trees_all_close(out.astype(F32), expected, rtol=2**-7, atol=1e-3)
+
+
 def test_merge_ring_slots():
   """The ring sizes the refill cases above rely on: per warpgroup, one slot per chunk up to its
   share of the byte budget and of the 32 barriers the GPU lowers."""

@@ -111,7 +111,8 @@ lose bits only below 2^-40 of it), and no bf16 value overflows. P is float16
 per KV head, so ``k_scale * s`` joins the score scale; the output tile is
 ``P V / l`` in float16 (a convex combination of e4m3 values, |.| <= 448) and
 ``v_scale`` multiplies it after the chunk merge, in float32 (per-head scalars
-factor out of both matmuls and of the merge).
+factor out of both matmuls and of the merge): in the merge kernel where it runs,
+otherwise in the elementwise epilogue that XLA fuses into its merge.
 
 Numerics: K positions a row must not see are masked with ``where`` to -inf,
 and V rows past the request's length are zeroed in shared memory before
@@ -1178,9 +1179,18 @@ def paged_decode_attention_mosaic_gpu(
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
   )(block_tables, seq_lens, chunk_lengths, *scales, q_packed, k_pages, v_pages)
 
+  # The merge kernel takes v_scale in and writes q's dtype; XLA's merge fuses the product below.
+  scaled = fp8 and num_chunks > 1 and config.merge_kernel
   if num_chunks > 1 and config.merge_kernel:
     out = merge_chunks_mosaic_gpu(
-      partial_out, partial_lse, num_chunks=num_chunks, q_len=q_len, group=group, interpret=interpret
+      partial_out,
+      partial_lse,
+      num_chunks=num_chunks,
+      q_len=q_len,
+      group=group,
+      v_scale=v_scale if fp8 else None,
+      out_dtype=dtype,
+      interpret=interpret,
     )  # [B, q_len, Hq, D]
   else:
     out = merge_chunks(
@@ -1191,7 +1201,7 @@ def paged_decode_attention_mosaic_gpu(
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
   if fp8_pairs:  # head dims even then odd -> in order
     out = out.reshape(*out.shape[:-1], 2, head_dim // 2).swapaxes(-1, -2).reshape(out.shape)
-  if fp8:  # real V = stored V * v_scale, per KV head
+  if fp8 and not scaled:  # real V = stored V * v_scale, per KV head
     out = out.astype(jnp.float32) * jnp.repeat(v_scale, group)[:, None]
   return out.astype(dtype)
 
@@ -1359,9 +1369,15 @@ def merge_chunks_mosaic_gpu(
   num_chunks: int,
   q_len: int,
   group: int,
+  v_scale: jax.Array | None = None,  # f32 [Hkv]
+  out_dtype=None,
   interpret: bool = False,
-) -> jax.Array:  # [B, q_len, Hkv * G, D], partial_out.dtype
+) -> jax.Array:  # [B, q_len, Hkv * G, D], out_dtype (default partial_out.dtype)
   """``merge_chunks`` and the row unpacking in one Mosaic GPU kernel.
+
+  With ``v_scale`` (fp8 pages: the real V is the stored V times the KV head's scale, which
+  factors out of ``P V`` and of the merge) each merged row is multiplied by its KV head's scale
+  in float32 before the one rounding to ``out_dtype``, so no elementwise kernel follows.
 
   One program per (KV head, row tile, 64 head dims, request) merges the request's ``C`` chunk
   tiles online: with ``M`` the running max of the chunks' lse,
@@ -1385,6 +1401,7 @@ def merge_chunks_mosaic_gpu(
   batch = num_items // num_chunks
   num_rows = q_len * group
   dtype = partial_out.dtype
+  out_dtype = jnp.dtype(out_dtype or dtype)
   # Rows of one merged tile, and the axis of the rows in its register array.
   transposed = padded_rows % ROWS_PER_TILE != 0
   tile_rows = padded_rows if transposed else ROWS_PER_TILE
@@ -1402,13 +1419,18 @@ def merge_chunks_mosaic_gpu(
   def merge_chunks_kernel(
     tiles_ref,  # GMEM [B * C, Hkv, R, D]
     lse_ref,  # GMEM f32 [B * C, Hkv, R]
-    out_ref,  # GMEM [B, q_len, Hq, D]
-    tile_smem,  # [W, slots, tile_rows, 64]
-    lse_smem,  # f32 [W, slots, lse_stride], the first tile_rows of each used
-    merged_smem,  # [tile_rows, 64], unswizzled so that any run of rows can be copied out
-    barriers,  # [W * slots], two arrivals: the tile and its lse
-    *combine_refs,  # W > 1: f32 [W - 1, *tile_shape], [W - 1, 2, tile_rows], barrier
+    *refs,  # v_scale: GMEM f32 [Hkv]; out: GMEM [B, q_len, Hq, D], out_dtype; scratch
   ):
+    if v_scale is not None:
+      v_scale_ref, *refs = refs
+    (
+      out_ref,
+      tile_smem,  # [W, slots, tile_rows, 64]
+      lse_smem,  # f32 [W, slots, lse_stride], the first tile_rows of each used
+      merged_smem,  # [tile_rows, 64], out_dtype, unswizzled: any run of rows can be copied out
+      barriers,  # [W * slots], two arrivals: the tile and its lse
+      *combine_refs,  # W > 1: f32 [W - 1, *tile_shape], [W - 1, 2, tile_rows], barrier
+    ) = refs
     kv_head = lax.axis_index("kv_head")
     row_tile = lax.div(lax.axis_index("tile"), col_blocks)
     cols = pl.ds(lax.rem(lax.axis_index("tile"), col_blocks) * MERGE_COLS, MERGE_COLS)
@@ -1478,7 +1500,9 @@ def merge_chunks_mosaic_gpu(
 
     def store(acc, l_i):
       inv_l = 1.0 / jnp.where(l_i > 0.0, l_i, 1.0)  # rows no chunk saw: acc = 0
-      merged = (acc * rows_of(inv_l)).astype(dtype)
+      if v_scale is not None:
+        inv_l = inv_l * v_scale_ref[kv_head]
+      merged = (acc * rows_of(inv_l)).astype(out_dtype)
       if transposed:
         merged_smem.transpose((1, 0))[...] = merged
       else:
@@ -1531,7 +1555,7 @@ def merge_chunks_mosaic_gpu(
   scratch = [
     plgpu.SMEM((warpgroups, slots, tile_rows, MERGE_COLS), dtype, transforms=transforms),
     plgpu.SMEM((warpgroups, slots, lse_stride), jnp.float32),
-    plgpu.SMEM((tile_rows, MERGE_COLS), dtype),
+    plgpu.SMEM((tile_rows, MERGE_COLS), out_dtype),
     plgpu.Barrier(num_arrivals=2, num_barriers=warpgroups * slots),
   ]
   if warpgroups > 1:
@@ -1542,14 +1566,14 @@ def merge_chunks_mosaic_gpu(
     ]
   return plgpu.kernel(
     merge_chunks_kernel,
-    out_type=jax.ShapeDtypeStruct((batch, q_len, num_kv_heads * group, head_dim), dtype),
+    out_type=jax.ShapeDtypeStruct((batch, q_len, num_kv_heads * group, head_dim), out_dtype),
     scratch_types=scratch,
     grid=(num_kv_heads, row_tiles * col_blocks, batch),
     grid_names=("kv_head", "tile", "request"),
     num_threads=warpgroups if warpgroups > 1 else None,
     thread_name="wg" if warpgroups > 1 else None,
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
-  )(partial_out, partial_lse)
+  )(partial_out, partial_lse, *(() if v_scale is None else (v_scale,)))
 
 
 def merge_warpgroups(num_chunks: int, tile_rows: int) -> int:
