@@ -283,6 +283,10 @@ def _timed_runs(
 
 
 def generate(args) -> dict:
+  """The `generate` command: loads the model (by default the embedded one), generates from
+  `--prompt` as the arguments ask (speculative or plain, sampling, token healing, fp8 KV pages)
+  and returns the text, tokens and timings as a dict (with `--compare`, also plain decoding's
+  timings and the speed-up). Bad arguments exit through `parser.error`."""
   parser = args.command_parser
   directory, config, tokenizer = _checked_model_dir(parser, args.model)
   sampling = _sampling(parser, directory, args, config.vocab_size)
@@ -374,6 +378,8 @@ def _print_report(result) -> None:
 
 
 def run_evaluate(args) -> int:
+  """The `evaluate` command: MTP acceptance and speed on held-out prompt windows
+  (`jaxspec.evaluation.evaluate`), printed as a table or JSON; returns the exit status."""
   parser = args.command_parser
   directory, config, tokenizer = _checked_model_dir(parser, args.model)
   if args.prompt_tokens + args.max_new_tokens > config.max_position_embeddings:
@@ -404,6 +410,8 @@ def run_evaluate(args) -> int:
 
 
 def main(argv=None) -> int:
+  """`python -m jaxspec`: parses `argv` (default `sys.argv[1:]`), runs `generate`, `evaluate`
+  or `train` and returns the exit status."""
   parser = _build_parser()
   argv = sys.argv[1:] if argv is None else list(argv)
   bad = argtypes.first_non_utf8(argv)

@@ -23,6 +23,10 @@ from jaxspec.training import corpus
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
+  """Settings of `evaluate`: the draft-token counts and sampling temperatures to run,
+  the held-out prompt windows (how many, how many tokens each), the tokens generated per prompt,
+  the batch size, the sampling seed and the KV pages' dtype and fp8 scale."""
+
   spec_tokens: tuple[int, ...] = (1, 2, 3, 4, 5)
   temperatures: tuple[float, ...] = (0.0, 0.7)
   # 512 windows cover about half of the held-out files' 88k tokens (default tokenizer). Fewer

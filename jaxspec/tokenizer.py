@@ -9,11 +9,19 @@ from tokenizers import decoders
 
 
 class Tokenizer(Protocol):
-  def encode(self, text: str) -> list[int]: ...
+  """What the engine and the command line need of a tokenizer: text to ids and back."""
 
-  def encode_prompt(self, text: str) -> list[int]: ...
+  def encode(self, text: str) -> list[int]:
+    """The text's tokens alone (no special tokens added)."""
+    ...
 
-  def decode(self, ids: list[int]) -> str: ...
+  def encode_prompt(self, text: str) -> list[int]:
+    """A prompt's tokens, with the special tokens a sequence starts with."""
+    ...
+
+  def decode(self, ids: list[int]) -> str:
+    """The text of `ids`, special tokens left out."""
+    ...
 
 
 class ByteTokenizer:
@@ -22,12 +30,15 @@ class ByteTokenizer:
   vocab_size = 256
 
   def encode(self, text: str) -> list[int]:
+    """The text's UTF-8 bytes."""
     return list(text.encode("utf-8"))
 
   def encode_prompt(self, text: str) -> list[int]:
+    """As `encode`: byte ids have no special tokens."""
     return self.encode(text)
 
   def decode(self, ids: list[int]) -> str:
+    """Ids below 256 as UTF-8 bytes (invalid sequences become U+FFFD); other ids are dropped."""
     return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
@@ -56,6 +67,7 @@ class HfTokenizer:
 
   @property
   def vocab_size(self) -> int:
+    """Size of the vocabulary, added (special) tokens included."""
     return self._tokenizer.get_vocab_size()
 
   def encode(self, text: str) -> list[int]:
@@ -68,6 +80,7 @@ class HfTokenizer:
     return self._tokenizer.encode(text, add_special_tokens=True).ids
 
   def decode(self, ids: list[int]) -> str:
+    """The text of `ids`, special tokens skipped."""
     return self._tokenizer.decode(ids, skip_special_tokens=True)
 
   def token_bytes(self) -> list[bytes]:

@@ -57,14 +57,17 @@ class GqaPages:
 
   @property
   def quantized(self) -> bool:
+    """Whether the pages hold fp8 values with a scale per KV head."""
     return self.k_scale is not None
 
   @property
   def num_pages(self) -> int:
+    """Pages in the pool."""
     return self.k.shape[1]
 
   @property
   def page_size(self) -> int:
+    """Token slots per page."""
     return self.k.shape[2]
 
 

@@ -17,10 +17,14 @@ class Pages(Protocol):
   """What every attention layer's page pytree provides."""
 
   @property
-  def num_pages(self) -> int: ...
+  def num_pages(self) -> int:
+    """Pages in the pool."""
+    ...
 
   @property
-  def page_size(self) -> int: ...
+  def page_size(self) -> int:
+    """Token slots per page."""
+    ...
 
 
 @jax.tree_util.register_dataclass
@@ -38,11 +42,14 @@ class ModelCache:
 
   @property
   def num_pages(self) -> int:
+    """Pages in the pool (every layer's pool has as many)."""
     return self.layers[0].num_pages
 
   @property
   def page_size(self) -> int:
+    """Token slots per page (the same in every layer)."""
     return self.layers[0].page_size
 
   def replace(self, **changes) -> "ModelCache":
+    """A copy with the given fields replaced."""
     return dataclasses.replace(self, **changes)

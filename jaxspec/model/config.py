@@ -170,6 +170,7 @@ class ModelConfig:
 
   @property
   def has_moe(self) -> bool:
+    """Whether any decoder layer or the MTP block uses MoE."""
     layers = range(self.num_hidden_layers)
     return any(self.is_moe_layer(i) for i in layers) or self.num_nextn_predict_layers > 0
 
@@ -187,9 +188,11 @@ class ModelConfig:
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
+    """The end-of-sequence token ids, as a tuple."""
     return eos_token_tuple(self.eos_token_id)
 
   def replace(self, **changes) -> "ModelConfig":
+    """A copy with the given fields replaced, checked again."""
     return dataclasses.replace(self, **changes)
 
   # ----------------------------------------------------------------------------------------------
@@ -234,6 +237,8 @@ class ModelConfig:
 
   @classmethod
   def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+    """Reads a transformers `config.json` (`from_hf_dict`); a file that is not JSON is a
+    `ValueError` naming it."""
     with open(path) as f:
       try:
         raw = json.load(f)
@@ -331,6 +336,7 @@ class GlmConfig(ModelConfig):
 
   @property
   def rotary_dim(self) -> int:
+    """Channels of a head that RoPE rotates: `head_dim * partial_rotary_factor`."""
     return int(self.head_dim * self.partial_rotary_factor)
 
   @classmethod

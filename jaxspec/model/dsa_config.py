@@ -126,6 +126,7 @@ class GlmDsaConfig(ModelConfig):
 
   @property
   def qk_head_dim(self) -> int:
+    """Width of a query or key head: its non-rotary part, then its rotary part."""
     return self.qk_nope_head_dim + self.qk_rope_head_dim
 
   @property
@@ -134,6 +135,7 @@ class GlmDsaConfig(ModelConfig):
     return self.kv_lora_rank + self.qk_rope_head_dim
 
   def is_moe_layer(self, layer: int) -> bool:
+    """The MTP block and the layers `mlp_layer_types` marks "sparse" use MoE."""
     return layer >= self.num_hidden_layers or self.mlp_layer_types[layer] == "sparse"
 
   def has_indexer(self, layer: int) -> bool:
@@ -141,6 +143,7 @@ class GlmDsaConfig(ModelConfig):
     return layer >= self.num_hidden_layers or self.indexer_types[layer] == "full"
 
   def reuses_index(self, layer: int) -> bool:
+    """Shared layers (those without an indexer) attend to their group's selection."""
     return not self.has_indexer(layer)
 
   @property

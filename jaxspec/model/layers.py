@@ -68,6 +68,8 @@ _rows_one_hot_grad.defvjp(_rows_fwd, _rows_bwd)
 
 
 class Embedding(nnx.Module):
+  """Token embedding table, `[num_embeddings, features]`."""
+
   def __init__(
     self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs, init_std: float = 0.02
   ):

@@ -85,6 +85,7 @@ class KernelChoices:
         )
 
   def replace(self, **changes) -> "KernelChoices":
+    """A copy with the given fields replaced, checked again."""
     return dataclasses.replace(self, **changes)
 
 
@@ -126,4 +127,5 @@ class StepMetadata:
     return self.mode != "plain"
 
   def replace(self, **changes) -> "StepMetadata":
+    """A copy with the given fields replaced."""
     return dataclasses.replace(self, **changes)

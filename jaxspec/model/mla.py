@@ -56,10 +56,12 @@ class MlaPages:
 
   @property
   def num_pages(self) -> int:
+    """Pages in the pool."""
     return self.latent.shape[1]
 
   @property
   def page_size(self) -> int:
+    """Token slots per page."""
     return self.latent.shape[2]
 
 
@@ -79,6 +81,7 @@ class IndexSelection:
   valid_counts: jax.Array | None = None  # int32 [B * T]
 
   def logical_only(self) -> "IndexSelection":
+    """The same top-k without the physical slots, for layers that convert it themselves."""
     return IndexSelection(self.topk)
 
 
@@ -276,6 +279,8 @@ class MlaAttention(nnx.Module):
     self.index_head_dim = config.index_head_dim
 
   def init_pages(self, num_pages: int, page_size: int, dtype, kv_scale: float = 1.0) -> MlaPages:
+    """Zeroed latent pages (and index-key pages where the layer runs the indexer) for a pool
+    of `num_pages` pages of `page_size` tokens. fp8 is refused: the latent cache stays 16-bit."""
     del kv_scale  # the latent cache is kept in 16 bits
     if jnp.dtype(dtype) == jnp.float8_e4m3fn:
       raise ValueError("fp8 KV pages serve GQA attention; the MLA latent cache stays 16-bit")

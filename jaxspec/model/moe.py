@@ -43,6 +43,11 @@ from jaxspec.model.metadata import MOE_IMPLS, MoeChoice, MoeImpl
 
 
 class Router(nnx.Module):
+  """GLM-4.5's router (DeepSeek-V3's): sigmoid scores of the logits; the top-k experts
+  chosen on the scores plus `e_score_correction_bias`, among the `topk_group` best of `n_group`
+  expert groups (a group's score: the sum of its best two); the weights are the unbiased scores
+  of those experts, normalised to sum 1 with `norm_topk_prob`, times `routed_scaling_factor`."""
+
   def __init__(self, config: ModelConfig, *, dtype, rngs: nnx.Rngs):
     self.weight = nnx.Param(
       _normal(rngs, (config.n_routed_experts, config.hidden_size), dtype, 0.02)

@@ -51,6 +51,7 @@ def make_mesh(tp: int = 1, ep: int = 1, devices: Sequence[jax.Device] | None = N
 
 
 def axis_size(mesh: Mesh | None, axis: str) -> int:
+  """Size of mesh axis `axis`; 1 without a mesh."""
   return 1 if mesh is None else mesh.shape[axis]
 
 

@@ -64,6 +64,7 @@ class DecoderLayer(nnx.Module):
       self.mlp = SwiGluMlp(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
 
   def init_pages(self, num_pages: int, page_size: int, dtype, kv_scale: float = 1.0):
+    """Zeroed pages of the layer's attention (its attention module's `init_pages`)."""
     return self.self_attn.init_pages(num_pages, page_size, dtype, kv_scale)
 
   def attend(self, x, pages, step: StepMetadata, selection=None):

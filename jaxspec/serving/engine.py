@@ -96,11 +96,14 @@ class EngineConfig:
 
   @property
   def max_pages_per_request(self) -> int:
-    # Speculative steps write up to q_len = 8 rows past the last committed token.
+    """Pages one request may hold: `max_seq_len` tokens plus the `MAX_LOOKAHEAD` rows a
+    speculative step writes past the last committed token."""
     return math.ceil((self.max_seq_len + MAX_LOOKAHEAD) / self.page_size)
 
   @property
   def total_pages(self) -> int:
+    """Pages in the cache's pool: `num_pages`, or enough for `max_batch_size` requests of
+    `max_pages_per_request` each."""
     return self.num_pages or self.max_batch_size * self.max_pages_per_request
 
   @property
@@ -150,6 +153,7 @@ class GenerationMetrics:
     return getattr(self, name)
 
   def as_dict(self) -> dict[str, Any]:
+    """The metrics as a plain dict."""
     return dataclasses.asdict(self)
 
 
@@ -234,7 +238,9 @@ class DecodingStrategy(Protocol):
     """`ValueError` when the model cannot be decoded this way."""
     ...
 
-  def begin(self, engine: "Generator", wave: Wave, prefill: Prefill) -> WaveDecoder: ...
+  def begin(self, engine: "Generator", wave: Wave, prefill: Prefill) -> WaveDecoder:
+    """Starts decoding a prefilled wave: the `WaveDecoder` that steps it."""
+    ...
 
 
 class PlainDecoding:
@@ -245,9 +251,11 @@ class PlainDecoding:
   needs_draft_cache = False
 
   def check_model(self, model: GlmForCausalLM) -> None:
+    """Every model decodes plainly: nothing to check."""
     del model  # every model decodes plainly
 
   def begin(self, engine: "Generator", wave: Wave, prefill: Prefill) -> WaveDecoder:
+    """A decoder that writes one token per request a step."""
     return _PlainWave(engine, wave, prefill.first_tokens)
 
 

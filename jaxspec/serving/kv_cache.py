@@ -38,12 +38,16 @@ class BlockAllocator:
 
   @property
   def num_free(self) -> int:
+    """Pages not allocated."""
     return len(self._free)
 
   def pages_for(self, num_tokens: int) -> int:
+    """Pages that `num_tokens` tokens take."""
     return math.ceil(num_tokens / self.page_size)
 
   def allocate(self, num_pages: int) -> list[int]:
+    """Takes `num_pages` free pages (in the pool's order, shuffled when a seed was given);
+    `OutOfPagesError` when fewer are free, `ValueError` for a negative count."""
     if num_pages < 0:
       raise ValueError(f"num_pages must be >= 0, got {num_pages}")
     if num_pages > len(self._free):
@@ -55,6 +59,7 @@ class BlockAllocator:
     return pages
 
   def free(self, pages: list[int]) -> None:
+    """Returns `pages` to the pool; a page that is not allocated is a `ValueError`."""
     for page in pages:
       if page not in self._owned:
         raise ValueError(f"page {page} is not allocated")

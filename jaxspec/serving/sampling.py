@@ -40,6 +40,7 @@ class SamplingParams:
 
   @property
   def greedy(self) -> bool:
+    """Whether sampling is greedy (temperature 0: the argmax)."""
     return self.temperature == 0.0
 
 

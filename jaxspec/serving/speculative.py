@@ -47,6 +47,7 @@ class SpeculativeConfig:
 
   @property
   def q_len(self) -> int:
+    """Rows per request in a verify step: the last accepted token and the drafts."""
     return self.num_speculative_tokens + 1
 
 
@@ -62,13 +63,16 @@ class MtpDecoding:
 
   @property
   def lookahead_tokens(self) -> int:
+    """Cache slots a step may write past a request's committed tokens: `q_len`."""
     return self.spec.q_len
 
   @property
   def num_speculative_tokens(self) -> int:
+    """Draft tokens proposed per step."""
     return self.spec.num_speculative_tokens
 
   def check_model(self, model: GlmForCausalLM) -> None:
+    """`ValueError` when the model has no MTP layer to draft with."""
     if model.mtp is None:
       reason = getattr(model, "missing_mtp_reason", None)
       raise ValueError(
@@ -77,6 +81,7 @@ class MtpDecoding:
       )
 
   def begin(self, engine: Generator, wave: Wave, prefill: Prefill) -> "_MtpWave":
+    """Starts drafting and verifying a prefilled wave."""
     return _MtpWave(self.spec, engine, wave, prefill)
 
 
@@ -144,4 +149,5 @@ class SpeculativeGenerator(Generator):
 
   @property
   def spec(self) -> SpeculativeConfig:
+    """The speculative settings this generator decodes with."""
     return self.strategy.spec

@@ -38,6 +38,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
 
 
 def save_tokenizer(tokenizer: tokenizers.Tokenizer, directory: str | Path) -> Path:
+  """Writes `tokenizer` to `directory/tokenizer.json` (creating `directory`) and returns
+  that path."""
   path = Path(directory) / "tokenizer.json"
   path.parent.mkdir(parents=True, exist_ok=True)
   tokenizer.save(str(path))

@@ -242,6 +242,9 @@ def _check_inputs(args, config: TrainConfig) -> None:
 
 
 def run_train(args) -> int:
+  """The `train` command: trains as the arguments ask (`train`), then prints the final
+  metrics as a table and a sample, or, for a paused run, how to resume it; returns the exit
+  status."""
   config = config_from_args(args)
   _check_inputs(args, config)
   log = train(
@@ -293,6 +296,7 @@ def run_train(args) -> int:
 
 
 def main(argv=None) -> int:
+  """`python -m jaxspec.training.cli`: the `train` command alone."""
   parser = argparse.ArgumentParser(prog="python -m jaxspec.training.cli")
   add_train_parser(parser.add_subparsers(dest="command", required=True))
   return run_train(parser.parse_args(argv))

@@ -54,16 +54,22 @@ _EXCLUDED_PARTS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 @dataclasses.dataclass(frozen=True)
 class SourceFile:
+  """One Python source of the corpus: its path inside its origin, its text, and its origin
+  (the standard library or the distribution it comes from)."""
+
   relative_path: str  # POSIX path inside its origin, e.g. "json/decoder.py"
   text: str
   origin: str = STDLIB  # "stdlib" or the distribution the file comes from, e.g. "numpy"
 
   @property
   def held_out(self) -> bool:
+    """Whether the file is a standard-library file kept out of training for evaluation
+    (`HELD_OUT_FILES`)."""
     return self.origin == STDLIB and self.relative_path in HELD_OUT_FILES
 
 
 def stdlib_dir() -> Path:
+  """This interpreter's standard-library directory."""
   return Path(sysconfig.get_paths()["stdlib"])
 
 

@@ -480,9 +480,11 @@ class Trainer:
 
   @property
   def num_params(self) -> int:
+    """Parameters of the model, trained and frozen."""
     return sum(x.size for x in jax.tree.leaves(self.params))
 
   def model(self) -> GlmForCausalLM:
+    """The model with the current parameters."""
     return nnx.merge(self.graphdef, self.params)
 
   def _loss(self, params, windows, repeats, rollouts):
@@ -650,6 +652,9 @@ class Trainer:
     return sums
 
   def train_step(self, stream, key, lr: float) -> dict:
+    """One AdamW step on a batch sampled from `stream` (int32 [N], on the device) with
+    `key`, at learning rate `lr`; the parameters and optimizer state are updated in place and
+    the step's metrics returned (device values)."""
     self.params, self.opt_state, metrics = self._train_step(
       self.params, self.opt_state, stream, key, jnp.float32(lr)
     )

@@ -170,27 +170,33 @@ class WorkPlan:
   stage_table: bool
 
   @property
-  def group_size(self) -> int:  # entries of a full group
+  def group_size(self) -> int:
+    """Entries of a full group: G tokens of K."""
     return self.tokens_per_group * self.topk_size
 
   @property
   def segments_per_group(self) -> int:
+    """Steps of C entries a group takes, the last possibly partial."""
     return -(-self.group_size // self.chunk)
 
   @property
-  def total_size(self) -> int:  # N
+  def total_size(self) -> int:
+    """N = T * K, the entries of the whole top-k."""
     return self.num_tokens * self.topk_size
 
   @property
   def last_group(self) -> int:
+    """Index of the last group."""
     return self.num_groups - 1
 
   @property
   def last_group_tokens(self) -> int:
+    """Tokens of the last group: fewer than G where G does not divide T."""
     return self.num_tokens - self.last_group * self.tokens_per_group
 
   @property
   def groups_per_block(self) -> int:
+    """Groups a block converts at most."""
     return -(-self.num_groups // self.num_blocks)
 
   @property
