@@ -447,6 +447,26 @@ def test_kernel_matches_float64(case, interpret):
 MERGE_NATIVE_ONLY = [(5, 3, 128, BF16, 4, 64), (8, 16, 64, BF16, 2, 64)]
 
 
+def _unpacked(merged, q_len, group):
+  """[B, Hkv, R, D] packed rows r = j * G + g (R padded) -> [B, q_len, Hkv * G, D]."""
+  batch, num_kv_heads, _, head_dim = merged.shape
+  merged = merged[:, :, : q_len * group].reshape(batch, num_kv_heads, q_len, group, head_dim)
+  return merged.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_kv_heads * group, head_dim)
+
+
+def _merge_kernel(tiles, lse, q_len, group, **kwargs):
+  """The merge kernel on chunk partials [B, C, Hkv, R, D] and their lse [B, C, Hkv, R]."""
+  batch, num_chunks, num_kv_heads, padded_rows, head_dim = tiles.shape
+  return mosaic_gpu.merge_chunks_mosaic_gpu(
+    tiles.reshape(batch * num_chunks, num_kv_heads, padded_rows, head_dim),
+    lse.reshape(batch * num_chunks, num_kv_heads, padded_rows),
+    num_chunks=num_chunks,
+    q_len=q_len,
+    group=group,
+    **kwargs,
+  )
+
+
 @pytest.mark.parametrize(
   "q_len, group, head_dim, dtype, num_chunks, tile_rows, interpret",
   interpreted_and_native(
@@ -488,17 +508,8 @@ def test_merge_kernel_matches_the_xla_merge(
   tiles = rng.standard_normal((*shape, head_dim)).astype(np.float32)
   tiles[empty] = np.nan  # unwritten tiles of chunks that saw nothing
   tiles, lse = jnp.asarray(tiles, dtype), jnp.asarray(lse)
-  merged = mosaic_gpu.merge_chunks(tiles, lse)[:, :, :num_rows]  # [B, Hkv, rows, D]
-  merged = merged.reshape(batch, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
-  expected = merged.reshape(batch, q_len, num_kv_heads * group, head_dim)
-  out = mosaic_gpu.merge_chunks_mosaic_gpu(
-    tiles.reshape(batch * num_chunks, num_kv_heads, padded_rows, head_dim),
-    lse.reshape(batch * num_chunks, num_kv_heads, padded_rows),
-    num_chunks=num_chunks,
-    q_len=q_len,
-    group=group,
-    interpret=interpret,
-  )
+  expected = _unpacked(mosaic_gpu.merge_chunks(tiles, lse), q_len, group)
+  out = _merge_kernel(tiles, lse, q_len, group, interpret=interpret)
   assert not (interpret and races_found())
   chex.assert_shape(out, expected.shape)
   chex.assert_type(out, dtype)
@@ -524,19 +535,10 @@ def test_merge_kernel_folds_in_the_v_scale(q_len, group, num_chunks, tile_rows, 
   lse = jnp.asarray(rng.uniform(-6.0, 6.0, shape), F32)
   tiles = jnp.asarray(rng.standard_normal((*shape, head_dim)) * 100, F16)
   v_scale = jnp.asarray([0.0037, 2.5], F32)  # [Hkv]
-  merged = mosaic_gpu.merge_chunks(tiles, lse).astype(F32)[:, :, :num_rows]  # [B, Hkv, R, D]
-  merged = merged * v_scale[None, :, None, None]
-  merged = merged.reshape(batch, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
-  expected = merged.reshape(batch, q_len, num_kv_heads * group, head_dim)
-  out = mosaic_gpu.merge_chunks_mosaic_gpu(
-    tiles.reshape(batch * num_chunks, num_kv_heads, padded_rows, head_dim),
-    lse.reshape(batch * num_chunks, num_kv_heads, padded_rows),
-    num_chunks=num_chunks,
-    q_len=q_len,
-    group=group,
-    v_scale=v_scale,
-    out_dtype=BF16,
-    interpret=interpret,
+  merged = mosaic_gpu.merge_chunks(tiles, lse).astype(F32) * v_scale[None, :, None, None]
+  expected = _unpacked(merged, q_len, group)
+  out = _merge_kernel(
+    tiles, lse, q_len, group, v_scale=v_scale, out_dtype=BF16, interpret=interpret
   )
   assert not (interpret and races_found())
   chex.assert_type(out, BF16)

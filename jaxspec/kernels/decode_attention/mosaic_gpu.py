@@ -1180,8 +1180,8 @@ def paged_decode_attention_mosaic_gpu(
   )(block_tables, seq_lens, chunk_lengths, *scales, q_packed, k_pages, v_pages)
 
   # The merge kernel takes v_scale in and writes q's dtype; XLA's merge fuses the product below.
-  scaled = fp8 and num_chunks > 1 and config.merge_kernel
-  if num_chunks > 1 and config.merge_kernel:
+  merge_in_kernel = num_chunks > 1 and config.merge_kernel
+  if merge_in_kernel:
     out = merge_chunks_mosaic_gpu(
       partial_out,
       partial_lse,
@@ -1201,7 +1201,7 @@ def paged_decode_attention_mosaic_gpu(
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_q_heads, head_dim)
   if fp8_pairs:  # head dims even then odd -> in order
     out = out.reshape(*out.shape[:-1], 2, head_dim // 2).swapaxes(-1, -2).reshape(out.shape)
-  if fp8 and not scaled:  # real V = stored V * v_scale, per KV head
+  if fp8 and not merge_in_kernel:  # real V = stored V * v_scale, per KV head
     out = out.astype(jnp.float32) * jnp.repeat(v_scale, group)[:, None]
   return out.astype(dtype)
 
