@@ -821,7 +821,8 @@ def test_default_config_transposed_rows_follow_the_device(
     (H100_SXM, 8, 1, 8, F16, True),  # 64 pairs
     (H100_SXM, 9, 1, 8, BF16, False),  # 72 pairs
     (H100_SXM, 1, 1, 12, BF16, False),  # 12 rows
-    (H100_SXM, 1, 1, 8, FP8, False),
+    (H100_SXM, 1, 1, 8, FP8, True),  # fp8 pages since the merge kernel takes v_scale
+    (H100_SXM, 1, 3, 8, FP8, False),  # 24 rows
     ("NVIDIA H200", 1, 1, 8, BF16, False),  # unmeasured there
     (None, 1, 1, 8, BF16, False),
   ],
@@ -830,7 +831,7 @@ def test_default_config_merge_kernel_follows_the_device(
   device_kind, batch, q_len, group, kv_dtype, merge_kernel, monkeypatch
 ):
   """The merge kernel is the default only where it was measured faster than XLA's merge: on an
-  H100 SXM, 16-bit pages, at most 8 packed rows and 64 (request, KV head) pairs."""
+  H100 SXM, 16-bit or fp8 pages, at most 8 packed rows and 64 (request, KV head) pairs."""
   monkeypatch.setattr(api, "gpu_device_kind", lambda: device_kind)
   q = jax.ShapeDtypeStruct((batch, q_len, 8 * group, 128), BF16)
   pages = jax.ShapeDtypeStruct((8, 64, 16, 128), kv_dtype)

@@ -160,15 +160,17 @@ DEFAULT_TRANSPOSED_MAX_ROWS = 16
 # also at G 12 q_len 2 and D 64; 32 rows (G 8 q_len 4) 1.004-1.025x; 40 rows 0.998-1.001x
 # (benchmarks/results/decode_attention_transposed_rows_h100_2026-12-05.json).
 TRANSPOSED_MAX_ROWS_16BIT_BY_DEVICE = (("H100 80GB HBM3", {128: 32, 64: 24}),)
-# default_config's merge kernel (TuningConfig.merge_kernel): on the devices named here, for
-# 16-bit pages, up to this many packed rows and (request, KV head) pairs. H100 SXM, same process,
-# three interleaved timings each, against XLA's merge: G 8 q_len 1 (8 rows) 1.017-1.096x at B1
-# L8k/L32k and B8 L8k (B1 L8k 19.1 against 20.3 us, 14.6 against 16.0 at D 64); 12 rows and more
-# 0.96-0.99x, fp8 pages 0.91x, B64 L32k 0.996-0.998x
-# (benchmarks/results/decode_attention_merge_ring_h100_2026-12-06.json); by CUPTI device time
-# 1.006-1.040x at 8 rows, 0.96-0.98x from 12
-# (decode_attention_kernel_time_merge_h100_2026-12-06.json). The H200 is not named:
-# there the same shapes' ranges overlapped (decode_attention_merge_ring_h200_2026-12-06.json).
+# default_config's merge kernel (TuningConfig.merge_kernel): on the devices named here, up to
+# this many packed rows and (request, KV head) pairs. H100 SXM, same process, three interleaved
+# timings each, against XLA's merge: G 8 q_len 1 (8 rows) 1.017-1.096x at B1 L8k/L32k and B8 L8k
+# (B1 L8k 19.1 against 20.3 us, 14.6 against 16.0 at D 64); 12 rows and more 0.96-0.99x, B64 L32k
+# 0.996-0.998x (benchmarks/results/decode_attention_merge_ring_h100_2026-12-06.json); by CUPTI
+# device time 1.006-1.040x at 8 rows, 0.96-0.98x from 12
+# (decode_attention_kernel_time_merge_h100_2026-12-06.json). fp8 pages, once the merge kernel
+# took v_scale (CUPTI, three interleaved timings): 8 rows 1.009-1.054x at B1 L8k/L32k and B8 L8k
+# (B1 L8k 19.1 against 20.2 us), 24-84 rows 0.958-1.018x
+# (decode_attention_merge_fp8_h100_2026-12-06.json). The H200 is not named: there the same
+# shapes' ranges overlapped (decode_attention_merge_ring_h200_2026-12-06.json).
 MERGE_KERNEL_BY_DEVICE = (("H100 80GB HBM3", (8, 64)),)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # q (and 16-bit pages)
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -286,9 +288,10 @@ class TuningConfig:
       ``[B, q_len, Hq, D]`` rows in one small Mosaic GPU kernel (``merge_chunks_mosaic_gpu``)
       instead of XLA's merge fusions and row transpose. ``default_config`` turns it on for
       few rows over few pairs on the devices of ``MERGE_KERNEL_BY_DEVICE`` (on an H100 SXM
-      it ran G 8 q_len 1 at B1 L8k in 19.1 against 20.3 us, but 12 rows and more, fp8 pages and
-      B64 0.91-0.998x); off on the H200, where host-timed B1 and B8 calls at q_len 1 varied
-      too much run to run to settle it (medians 1.01-1.10x, ranges overlapping), and elsewhere.
+      it ran G 8 q_len 1 at B1 L8k in 19.1 against 20.3 us, with 16-bit and fp8 pages alike,
+      but 12 rows and more and B64 0.96-0.998x); off on the H200, where host-timed B1 and B8
+      calls at q_len 1 varied too much run to run to settle it (medians 1.01-1.10x, ranges
+      overlapping), and elsewhere.
     fp8_8bit_layout: fp8 pages: load each fp8 block into registers in the 8-bit wgmma layout
       (4 consecutive bytes per thread and vector: half the shared-memory loads, and 8-byte
       stores of the converted values) instead of the 16-bit one (2 bytes). ``default_config``
@@ -408,8 +411,8 @@ def default_config(
   16-bit pages at D 128 from ``DEFAULT_PAGE_IDS_AHEAD_TRANSPOSED_MIN_PAIRS`` pairs, where it ran
   1.04-1.12x and 1.00-1.02x faster. The 128-row tile takes a producer warpgroup
   (``producer_warpgroup``): 1.04-1.05x at G 12 q_len 6 and 7 (B8, B64 L32k, D 128), 1.23x at D 64.
-  On a device of ``MERGE_KERNEL_BY_DEVICE`` few rows of 16-bit pages over few pairs merge their
-  chunks in one kernel (``merge_kernel``, ``takes_merge_kernel``).
+  On a device of ``MERGE_KERNEL_BY_DEVICE`` few rows over few pairs merge their chunks in one
+  kernel (``merge_kernel``, ``takes_merge_kernel``).
   """
   block_kv = max(64, page_size)
   kv_itemsize = jnp.dtype(kv_dtype).itemsize
@@ -453,7 +456,7 @@ def default_config(
     block_kv=block_kv,
     num_stages=num_stages,
     balance_waves=DEFAULT_BALANCE_WAVES,
-    merge_kernel=takes_merge_kernel(kv_itemsize, num_rows, num_pairs, device_kind),
+    merge_kernel=takes_merge_kernel(num_rows, num_pairs, device_kind),
     fp8_8bit_layout=kv_itemsize == 1,
     transposed_scores=transposed,
     two_warpgroup_tiles=two_warpgroup_tiles,
@@ -487,12 +490,12 @@ def _for_device(table, device_kind: str | None):
 
 
 def takes_merge_kernel(
-  kv_itemsize: int, num_rows: int | None, num_pairs: int | None, device_kind: str | None
+  num_rows: int | None, num_pairs: int | None, device_kind: str | None
 ) -> bool:
-  """Whether ``default_config`` merges the KV chunks in ``merge_chunks_mosaic_gpu``: 16-bit
-  pages on a device of ``MERGE_KERNEL_BY_DEVICE``, within its rows and pairs."""
+  """Whether ``default_config`` merges the KV chunks in ``merge_chunks_mosaic_gpu``: on a device
+  of ``MERGE_KERNEL_BY_DEVICE``, within its rows and pairs (16-bit and fp8 pages alike)."""
   limits = _for_device(MERGE_KERNEL_BY_DEVICE, device_kind)
-  if kv_itemsize != 2 or num_rows is None or num_pairs is None or limits is None:
+  if num_rows is None or num_pairs is None or limits is None:
     return False
   max_rows, max_pairs = limits
   return num_rows <= max_rows and num_pairs <= max_pairs
