@@ -169,6 +169,22 @@ FP8_CASES = [
   ),
 ]
 
+# fp8 pages in the 128-row tile: the producer warpgroup converts each fp8 block into a float16
+# ring that both consumers read, zeroing V rows past the length or on out-of-pool pages. One
+# stage (the producer waits for both consumers before rewriting the slot), 2 and 3 stages,
+# chunks, rows that see nothing and padding, 128-position blocks, the 8-bit register layout.
+FP8_PRODUCER_CASES = [
+  KernelCase(
+    *shape, dataclasses.replace(cfg, two_warpgroup_tiles=True, producer_warpgroup=True), fp8=True
+  )
+  for *shape, cfg in [
+    ((200, 4, 0, 65), 6, 1, 12, 64, 16, BF16, TuningConfig(num_stages=1, num_chunks=2)),
+    ((129, 6, 1), 7, 1, 12, 128, 32, F16, TuningConfig(num_stages=2, fp8_8bit_layout=True)),
+    ((250, 3, 64), 5, 1, 16, 128, 16, BF16, TuningConfig(num_stages=3, num_chunks=3)),
+    ((190, 7, 0), 8, 2, 16, 64, 64, BF16, TuningConfig(block_kv=128, num_stages=2)),
+  ]
+]
+
 # Separate K and V staging blocks converted while the wgmmas run (fp8_staging_overlap): chunks
 # and refills, one stage (each refill is of the slot the next K waits on), two 64-row tiles,
 # 128-position blocks, the transposed tile, masked tails and rows that see nothing.
@@ -426,6 +442,7 @@ def interpreted_and_native(cases, native_only, case_id=lambda case: case.id, spr
     + BALANCED_CASES
     + FP8_CASES
     + FP8_OVERLAP_CASES
+    + FP8_PRODUCER_CASES
     + MERGE_KERNEL_CASES
     + DEFERRED_ROW_SUM_CASES
     + TRANSPOSED_CASES
@@ -619,15 +636,21 @@ def test_pallas_rejects_what_it_cannot_serve_and_auto_falls_back():
   inputs = make_inputs(rng, [9, 20], 2, 1, 2, 96, 16, BF16)
   with pytest.raises(ValueError, match="head dim"):
     paged_decode_attention(*inputs.arrays, impl="pallas", interpret=True)
-  # fp8 pages with more than 64 rows: 64-row tiles serve them, the two-warpgroup tile does not.
+  # fp8 pages with more than 64 rows: the two-warpgroup tile serves them only with a producer
+  # warpgroup to convert them.
   inputs = make_inputs(rng, [9, 20], 6, 1, 12, 64, 16, BF16, fp8=True)
   config = TuningConfig(two_warpgroup_tiles=True)
-  with pytest.raises(ValueError, match="two_warpgroup_tiles does not serve fp8"):
+  with pytest.raises(ValueError, match="fp8 pages only with producer_warpgroup"):
     paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
   out = paged_decode_attention(
     *inputs.arrays, impl="auto", interpret=True, config=config, **inputs.scales
   )
   check(out, inputs)
+  # ... and only with rings that fit the SM's shared memory (named before compiling).
+  config = TuningConfig(two_warpgroup_tiles=True, producer_warpgroup=True, num_stages=4)
+  inputs = make_inputs(rng, [9, 20], 6, 1, 12, 128, 16, BF16, fp8=True)
+  with pytest.raises(ValueError, match="num_stages=4 needs 240 KiB of shared memory"):
+    paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
   # fp8 blocks in registers take 64-position blocks only: refused at 128, auto takes XLA.
   inputs = make_inputs(rng, [9, 20], 1, 1, 8, 64, 16, BF16, fp8=True)
   config = TuningConfig(block_kv=128, transposed_scores=True, fp8_in_registers=True)
@@ -714,16 +737,18 @@ def test_default_config_transposes_scores_up_to_16_rows(q_len, group, kv_dtype, 
 @pytest.mark.parametrize(
   "q_len, group, kv_dtype, two_warpgroups",
   [(5, 12, BF16, False), (6, 12, BF16, True), (7, 12, F16, True), (5, 16, BF16, True)]
-  + [(8, 8, BF16, False), (7, 12, FP8, False)],
+  + [(8, 8, BF16, False), (7, 12, FP8, True), (5, 12, FP8, False)],
 )
 def test_default_config_takes_one_128_row_tile_beyond_64_rows(
   q_len, group, kv_dtype, two_warpgroups
 ):
-  """The measured policy: more than 64 packed rows on 16-bit pages run one 128-row tile of two
-  warpgroups, fed by a producer warpgroup (fp8 pages keep 64-row tiles, which the two-warpgroup
-  tile does not serve)."""
+  """The measured policy: more than 64 packed rows run one 128-row tile of two warpgroups, fed
+  by a producer warpgroup, which with fp8 pages converts them on a ring of its own depth."""
   config = default_config(128, 16, kv_dtype, q_len * group)
   assert config.two_warpgroup_tiles == config.producer_warpgroup == two_warpgroups
+  if two_warpgroups and kv_dtype == FP8:
+    assert config.num_stages == mosaic_gpu.FP8_PRODUCER_STAGES
+    assert not config.fp8_staging_overlap
   assert not default_config(128, 16, kv_dtype).two_warpgroup_tiles  # rows unknown
   q = jax.ShapeDtypeStruct((32, q_len, 2 * group, 128), BF16)  # 64 (request, KV head) pairs
   pages = jax.ShapeDtypeStruct((2, 64, 16, 128), kv_dtype)
@@ -902,7 +927,8 @@ def test_default_config_overlaps_fp8_staging_and_defers_sums_where_measured(
     (64, 7, 12, 128, BF16, True),  # 128-row tile
     (64, 6, 12, 128, F16, True),
     (8, 7, 12, 128, BF16, True),
-    (64, 7, 12, 128, FP8, False),  # fp8 row tiles
+    (64, 7, 12, 128, FP8, True),  # fp8 in the 128-row tile
+    (64, 7, 12, 64, FP8, False),  # fp8 row tiles (D 64)
     (64, 7, 8, 128, BF16, False),  # 64-row tile
     (64, 1, 8, 128, BF16, True),  # transposed, 512 pairs
     (64, 1, 12, 128, BF16, True),
@@ -1350,6 +1376,21 @@ LOWERING_CASES = [
   _g8_d128(
     "fp8 G8 q3 staging overlapped", 3, FP8, TuningConfig(fp8_staging_overlap=True, num_stages=2)
   ),
+  (
+    "fp8 G12 q7 two warpgroups and a converting producer",
+    (2, 7, 24, 128),
+    (2, 64, 16, 128),
+    16,
+    BF16,
+    FP8,
+    TuningConfig(
+      num_stages=3,
+      two_warpgroup_tiles=True,
+      producer_warpgroup=True,
+      page_ids_ahead=True,
+      fp8_8bit_layout=True,
+    ),
+  ),
   _g8_d128("bf16 G8 q7 row tile, deferred sums", 7, BF16, TuningConfig(deferred_sum=True)),
   (
     "bf16 G12 q7 two warpgroups, deferred sums",
@@ -1562,20 +1603,28 @@ def test_kernel_gpu_coverage(q_len, group, head_dim, page_size, dtype, fp8, tran
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("producer", [False, True], ids=["warpgroup-0-copies", "producer"])
+@pytest.mark.parametrize(
+  "kv, producer",
+  [("16bit", False), ("16bit", True), ("fp8", True)],
+  ids=["warpgroup-0-copies", "producer", "fp8-converting-producer"],
+)
 @pytest.mark.parametrize(
   "q_len, group, head_dim", [(6, 12, 128), (7, 12, 64), (8, 12, 128), (5, 16, 64), (8, 16, 128)]
 )
-def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim, producer):
+def test_two_warpgroup_tile_gpu_random(q_len, group, head_dim, kv, producer):
   """Ragged random lengths (1 to ~3000, edge lengths included) with the heuristic defaults,
-  with and without the producer warpgroup."""
+  with and without the producer warpgroup, and on fp8 pages (which need it)."""
   rng = np.random.default_rng(q_len * 100 + group + head_dim)
   seq_lens = [0, 1, q_len - 1, 16, 17, *rng.integers(200, 3000, size=3)]
-  inputs = make_inputs(rng, seq_lens, q_len, 2, group, head_dim, 16, BF16)
+  fp8 = kv == "fp8"
+  inputs = make_inputs(rng, seq_lens, q_len, 2, group, head_dim, 16, BF16, fp8=fp8)
   config = dataclasses.replace(
-    default_config(head_dim, 16), two_warpgroup_tiles=True, producer_warpgroup=producer
+    default_config(head_dim, 16, FP8 if fp8 else BF16),
+    two_warpgroup_tiles=True,
+    producer_warpgroup=producer,
   )
-  check(paged_decode_attention(*inputs.arrays, impl="pallas", config=config), inputs)
+  out = paged_decode_attention(*inputs.arrays, impl="pallas", config=config, **inputs.scales)
+  check(out, inputs)
 
 
 @pytest.mark.gpu

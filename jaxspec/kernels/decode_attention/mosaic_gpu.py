@@ -54,7 +54,14 @@ blocks. Without it warpgroup 0 issues the copies at the end of its step, after w
 warpgroup 1's ``P V``, so the two consumers advance in step with each other. The producer
 lowers its registers to ``PRODUCER_REGISTERS`` and the consumers raise theirs to
 ``CONSUMER_REGISTERS`` (``setmaxnreg``): the tile already holds one work item per SM at 255
-registers, so the third warpgroup costs no occupancy.
+registers, so the third warpgroup costs no occupancy. With fp8 pages the producer also converts:
+its copies land in an fp8 ring, and it turns each block into float16 in registers (K, then V
+with the rows past the length or on out-of-pool pages zeroed where the step needs the mask),
+stores it into a float16 ring of the same depth and arrives at that slot's ``k_ready`` /
+``v_ready`` barrier, after a fence that makes its stores visible to the tensor cores; it
+refills the fp8 slot at once. The consumers then run the 16-bit tile's step on the float16
+ring, and one conversion of a block serves all 128 rows (64-row tiles convert it once per
+tile).
 
 Transposed scores (``TuningConfig.transposed_scores``, FlashAttention-3's
 backward pass computes ``S^T = K Q^T`` the same way): with the packed rows as
@@ -211,6 +218,11 @@ DEFAULT_REGISTER_OPERANDS_MIN_PAIRS = 64
 # 32 rows 0.92x, 40 rows 0.79x, 56 rows 0.57x (40 and 56 rows spill registers)
 # (benchmarks/results/decode_attention_fp8_register_rows_h200_2026-12-05.json).
 DEFAULT_FP8_IN_REGISTERS_MAX_ROWS = {64: 12, 128: 24}
+# default_config's ring for fp8 pages in the 128-row tile (its producer converts them): H100 SXM,
+# G 12 q_len 7, D 128, CUPTI, against two 64-row tiles: 2 stages 1.22x at B64 L32k and 1.18x at
+# B8 L32k, 3 stages 1.18x and 1.15x; q_len 6 B64 L32k 1.21x, ragged B64 1.16x (2 stages)
+# (benchmarks/results/decode_attention_fp8_producer_h100_2026-12-06.json).
+FP8_PRODUCER_STAGES = 2
 DEFAULT_FP8_IN_REGISTERS_MIN_PAIRS_D128 = 512
 # Their ring at D 128, where no staging block sits beside it: B64 L32k, 8 rows, 2 stages 1316 us,
 # 3 stages 1340, 4 stages 1241 and 1247, 6 stages 1567. At D 64 the staging-sized ring (6 stages)
@@ -243,8 +255,9 @@ class TuningConfig:
       ``default_num_chunks``).
     two_warpgroup_tiles: when ``G * q_len > 64``, serve all rows of a pair
       with one 128-row tile of two warpgroups that share each K/V block,
-      instead of 64-row tiles that each read the KV. 16-bit pages only;
-      ``default_config`` turns it on where the rows call for it.
+      instead of 64-row tiles that each read the KV. fp8 pages only with
+      ``producer_warpgroup``, which converts them; ``default_config`` turns it on
+      where the rows call for it.
     operands_in_registers: row tiles give Q and P to wgmma from registers and accumulate
       ``P V`` onto the output (module docstring, "Operands in registers"); otherwise both go
       through shared memory. Native runs only: GPU interpret mode always takes shared memory.
@@ -311,9 +324,11 @@ class TuningConfig:
     producer_warpgroup: 128-row tiles (``two_warpgroup_tiles``) get a third warpgroup that
       issues every TMA copy of the ring, as jax's ``attention_mgpu.py`` has (module docstring,
       "Producer warpgroup"): the consumer warpgroups then only wait for their blocks and
-      release each slot after their ``P V``, and neither waits on the other to refill.
-      Registers are rebalanced with ``setmaxnreg``: ``PRODUCER_REGISTERS`` for the producer,
-      ``CONSUMER_REGISTERS`` for the consumers. ``default_config`` turns it on with
+      release each slot after their ``P V``, and neither waits on the other to refill. With
+      fp8 pages it also converts each block into a float16 ring both consumers read (the
+      128-row tile takes fp8 pages only this way). Registers are rebalanced with
+      ``setmaxnreg``: ``PRODUCER_REGISTERS`` for the producer, ``CONSUMER_REGISTERS`` for the
+      consumers. ``default_config`` turns it on with
       ``two_warpgroup_tiles``: H200, B64 L32k, same process, G 12 q_len 7 1.048x at D 128 and
       1.231x at D 64, q_len 6 1.047x, B8 L32k q_len 7 1.036x
       (``benchmarks/results/decode_attention_module_ab_2026-12-05.json``).
@@ -399,10 +414,12 @@ def default_config(
   G 12 B8 L32k); at 8 rows and D 128 it ran 0.96-1.01x (B1, B8, B64 L32k) and with fp8 pages in
   registers 0.89x (``benchmarks/results/decode_attention_deferred_sum*.md``).
 
-  More than 64 packed rows with 16-bit pages take the 128-row two-warpgroup tile: once Q and P
-  reached wgmma from registers it ran G 12 q_len 6/7 at B64 L32k in 3086 / 3129 us against
-  3643 / 3625 us with two 64-row tiles (1.16-1.18x) and q_len 7 at B8 L32k in 410 against 459 us
-  (H200, same process; ``benchmarks/NOTES_decode_attention.md``, version 9). At one request
+  More than 64 packed rows take the 128-row two-warpgroup tile (fp8 pages at D 128, where its
+  converting producer ran 1.16-1.22x faster than two 64-row tiles: ``FP8_PRODUCER_STAGES``).
+  With 16-bit pages, once Q and P reached wgmma from registers it ran G 12 q_len 6/7 at B64
+  L32k in 3086 / 3129 us against 3643 / 3625 us with two 64-row tiles (1.16-1.18x) and q_len 7
+  at B8 L32k in 410 against 459 us (H200, same process; ``benchmarks/NOTES_decode_attention.md``,
+  version 9). At one request
   (B1 L8k, 8 pairs, each work item a few blocks) both were slower: G 8 q_len 7 17.7 against
   16.4 us with registers, G 12 q_len 6 20.6 us with registers and 24.2 us with the 128-row tile
   against 17.8 us, hence the threshold on the pairs.
@@ -441,10 +458,16 @@ def default_config(
   transposed = fp8_in_registers or few_rows
   if transposed and kv_itemsize == 2 and head_dim == 64:
     num_stages = TRANSPOSED_STAGES_D64
-  # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once.
+  # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once (fp8
+  # pages converted by its producer, on a ring of FP8_PRODUCER_STAGES; measured at D 128 only).
   two_warpgroup_tiles = (
-    many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE and kv_itemsize == 2
+    many_pairs
+    and num_rows is not None
+    and num_rows > ROWS_PER_TILE
+    and (kv_itemsize == 2 or head_dim == 128)
   )
+  if two_warpgroup_tiles and kv_itemsize == 1:
+    num_stages = FP8_PRODUCER_STAGES
   # Transposed 16-bit tiles at D 128 over many pairs, where page ids read ahead paid.
   wide_transposed_16bit = (
     transposed
@@ -462,7 +485,7 @@ def default_config(
     two_warpgroup_tiles=two_warpgroup_tiles,
     operands_in_registers=many_pairs,
     fp8_in_registers=fp8_in_registers,
-    fp8_staging_overlap=kv_itemsize == 1 and not transposed,
+    fp8_staging_overlap=kv_itemsize == 1 and not transposed and not two_warpgroup_tiles,
     deferred_sum=transposed and kv_itemsize == 2 and (head_dim == 64 or num_rows > 8),
     page_ids_ahead=two_warpgroup_tiles or wide_transposed_16bit,
     producer_warpgroup=two_warpgroup_tiles,
@@ -505,14 +528,18 @@ def smem_bytes(
   head_dim: int, config: TuningConfig, rows: int = ROWS_PER_TILE, kv_itemsize=2
 ) -> int:
   """Shared memory of one work item: the K/V ring (and, for fp8 pages, the float16 block K and
-  then V is converted into, or one for each with ``fp8_staging_overlap``), and the Q/output and
-  P tiles of its ``rows`` (all warpgroups').
+  then V is converted into, or one for each with ``fp8_staging_overlap``, or in a 128-row tile
+  with a producer warpgroup a float16 ring as deep as the fp8 one), and the Q/output and P
+  tiles of its ``rows`` (all warpgroups').
 
   Row tiles keep P in registers on the GPU (module docstring), so there the count is 8 KiB
   above what they allocate; the plans built on it (resident items per SM, the fp8 ring depth)
   were measured with it."""
   ring = 2 * config.num_stages * config.block_kv * head_dim * kv_itemsize
-  staging_blocks = 2 if config.fp8_staging_overlap else 1
+  if rows > ROWS_PER_TILE and config.producer_warpgroup:
+    staging_blocks = 2 * config.num_stages
+  else:
+    staging_blocks = 2 if config.fp8_staging_overlap else 1
   staging = staging_blocks * config.block_kv * head_dim * 2 if kv_itemsize == 1 else 0
   return ring + staging + rows * (head_dim + config.block_kv) * 2 + rows * 4
 
@@ -590,8 +617,21 @@ def unsupported_reason(
     return f"the Mosaic GPU kernel needs page size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
   if config.block_kv % page_size:
     return f"block_kv={config.block_kv} must be a multiple of the page size {page_size}"
+  if (
+    k_pages.dtype == FP8_DTYPE
+    and _uses_two_warpgroups(q, k_pages, config)
+    and not config.producer_warpgroup
+  ):
+    return "two_warpgroup_tiles serves fp8 pages only with producer_warpgroup, which converts them"
   if k_pages.dtype == FP8_DTYPE and _uses_two_warpgroups(q, k_pages, config):
-    return "two_warpgroup_tiles does not serve fp8 pages (64-row tiles do)"
+    # Its fp8 and float16 rings (counted with a P tile, which the GPU form keeps in registers).
+    needed = smem_bytes(head_dim, config, 2 * ROWS_PER_TILE, kv_itemsize=1)
+    if needed > _SMEM_PER_SM:
+      return (
+        f"num_stages={config.num_stages} needs {needed // 1024} KiB of shared memory for fp8 "
+        f"pages in the 128-row tile (fp8 and float16 rings), more than the SM's "
+        f"{_SMEM_PER_SM // 1024} KiB"
+      )
   if (
     config.fp8_in_registers
     and k_pages.dtype == FP8_DTYPE
@@ -686,15 +726,18 @@ def paged_decode_attention_mosaic_gpu(
   # _k_pairs_order) and V^T's rows even head dims first (the output's order, put back after the
   # merge). See _fp8_k_pairs_to_float16 and _fp8_v_pairs_to_float16.
   fp8_pairs = fp8_in_registers and head_dim == 128
-  staged = fp8 and not fp8_in_registers  # the float16 staging block
+  # A third warpgroup issues the ring's copies for the two consumer warpgroups.
+  producer = config.producer_warpgroup and warpgroups > 1
+  # With fp8 pages it also converts each block into a float16 ring that both consumers read
+  # (the conversion of a block serves all 128 rows; the consumers run the 16-bit tile's step).
+  converting_producer = fp8 and producer
+  staged = fp8 and not fp8_in_registers and not producer  # the float16 staging block
   # Separate K and V staging blocks, each converted while a wgmma reads the other.
   overlapped = staged and config.fp8_staging_overlap
   # Softmax denominators per score element, summed over the positions after the last step.
   deferred_sum = config.deferred_sum
   # Each step carries the page ids of the next step's block and refill, read a step early.
   page_ids_ahead = config.page_ids_ahead
-  # A third warpgroup issues the ring's copies for the two consumer warpgroups.
-  producer = config.producer_warpgroup and warpgroups > 1
 
   # Pack rows token-major, r = j * G + g, and pad them to whole tiles with zeros.
   q_packed = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -732,7 +775,8 @@ def paged_decode_attention_mosaic_gpu(
       k_barriers,  # [num_stages], one arrival per page copy
       v_barriers,
       *extra_scratch,  # P tile (p_smem, where P goes through shared memory); fp8: the staging
-      # block(s); two warpgroups: consumed, v_zeroed
+      # block(s), or with a producer the float16 ring and its barriers; two warpgroups:
+      # consumed, v_zeroed (16-bit pages)
     ) = refs
     extra_scratch = iter(extra_scratch)
     # [(warpgroups,) rows, block_kv], the probabilities of the current block
@@ -747,6 +791,13 @@ def paged_decode_attention_mosaic_gpu(
       staging_k, staging_v = next(extra_scratch), next(extra_scratch)  # f16 [block_kv, D] each
     elif staged:  # f16 [block_kv, D]: the step's K block, then its V block
       staging_k = staging_v = next(extra_scratch)
+    # The ring the consumers read, and the barriers that say a slot holds its block: the
+    # copies' own, or with a converting producer its float16 ring [num_stages, block_kv, D]
+    # and one arrival (the producer's) per converted block.
+    if converting_producer:
+      k_ring, v_ring, k_ready, v_ready = (next(extra_scratch) for _ in range(4))
+    else:
+      k_ring, v_ring, k_ready, v_ready = k_smem, v_smem, k_barriers, v_barriers
     if fp8:
       # Real K = stored K * k_scale and real q = kernel q * q_scale: both join the score scale.
       q_scale = q_scale_ref[request, kv_head, row_tile]
@@ -754,7 +805,8 @@ def paged_decode_attention_mosaic_gpu(
     else:
       qk_scale = base_qk_scale
     if warpgroups > 1:
-      consumed_barriers, v_zeroed_barrier = extra_scratch
+      consumed_barriers = next(extra_scratch)
+      v_zeroed_barrier = None if fp8 else next(extra_scratch)
       wg = lax.axis_index("wg")
       row_base = row_base + wg * tile_rows
       qo_smem, lse_smem = qo_smem.at[wg], lse_smem.at[wg]
@@ -841,6 +893,29 @@ def paged_decode_attention_mosaic_gpu(
 
       issue_by_warps()
 
+    def attendable(positions, block, pages_in_pool):
+      """Positions (within the block) inside the length, on pages whose id is in the pool."""
+      ok = positions + block * block_kv < kv_len
+      page_of_position = lax.div(positions, page_size)
+      for p, page_ok in enumerate(pages_in_pool):
+        ok = ok & ((page_of_position != p) | page_ok)
+      return ok
+
+    def v_keep(masked, block, pages_in_pool):
+      """Where a masked step keeps V (rows the mask removed may hold stale or NaN data, and
+      0 * NaN = NaN in P V), else None."""
+      if not masked:
+        return None
+      positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
+      return attendable(positions, block, pages_in_pool)
+
+    def to_staging(src, dst, keep=None):
+      """fp8 block -> registers -> float16 (exact, one cvt per pair) -> a 16-bit block."""
+      values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
+      if keep is not None:
+        values = jnp.where(keep, values, 0)
+      dst[...] = values
+
     def produce():
       """The producer warpgroup: every block of the item into the ring, each slot refilled once
       both consumers have released it (they arrive at its ``consumed`` barrier after ``P V``)."""
@@ -853,6 +928,39 @@ def paged_decode_attention_mosaic_gpu(
         return carry
 
       lax.fori_loop(0, num_steps, refill, None)
+
+    def produce_converted():
+      """The producer warpgroup with fp8 pages: every block of the item through the fp8 ring
+      (its copies) into the float16 ring, K then V, each slot of the float16 ring rewritten once
+      both consumers have released it. A block that needs the mask gets its V rows past the
+      length or on out-of-pool pages zeroed on the way (the consumers' mask covers K). Each
+      fp8 slot is refilled as soon as its block is converted."""
+      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      for s in range(num_stages):
+        pl.when(s < num_steps)(functools.partial(fetch, start + s, s))
+
+      def convert(i, carry):
+        slot = lax.rem(i, num_stages)
+        block = start + i
+        pl.when(i >= num_stages)(lambda: plgpu.barrier_wait(consumed_barriers.at[slot]))
+        plgpu.barrier_wait(k_barriers.at[slot])
+        to_staging(k_smem.at[slot], k_ring.at[slot])
+        plgpu.commit_smem()  # the stores, visible to the tensor cores before the arrival
+        plgpu.barrier_arrive(k_ready.at[slot])
+        pages_in_pool = [in_pool(page) for page in page_ids(block)]
+        needs_mask = (block >= unmasked_end) | jnp.logical_not(_all(pages_in_pool))
+        plgpu.barrier_wait(v_barriers.at[slot])
+        for masked in (True, False):
+          keep = v_keep(masked, block, pages_in_pool)
+          when = needs_mask if masked else jnp.logical_not(needs_mask)
+          pl.when(when)(functools.partial(to_staging, v_smem.at[slot], v_ring.at[slot], keep))
+        plgpu.commit_smem()  # also orders this warpgroup's reads of the fp8 slot before its refill
+        plgpu.barrier_arrive(v_ready.at[slot])
+        refill = i + num_stages
+        pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot))
+        return carry
+
+      lax.fori_loop(0, num_steps, convert, None)
 
     if not producer:  # the ring's first blocks (the producer issues them as its first steps)
       for s in range(num_stages):
@@ -869,14 +977,6 @@ def paged_decode_attention_mosaic_gpu(
           q_ref.at[request, kv_head, pl.ds(row_base, tile_rows)], qo_smem, q_barrier
         )
 
-      def attendable(positions, block, pages_in_pool):
-        """Positions (within the block) inside the length, on pages whose id is in the pool."""
-        ok = positions + block * block_kv < kv_len
-        page_of_position = lax.div(positions, page_size)
-        for p, page_ok in enumerate(pages_in_pool):
-          ok = ok & ((page_of_position != p) | page_ok)
-        return ok
-
       def zero_v_rows(slot, block, pages_in_pool):
         v_block = v_smem.at[slot]
         positions = plgpu.broadcasted_iota(
@@ -885,21 +985,6 @@ def paged_decode_attention_mosaic_gpu(
         values = plgpu.load(v_block, layout=plgpu.Layout.WGMMA)
         v_block[...] = jnp.where(attendable(positions, block, pages_in_pool), values, 0)
         plgpu.commit_smem()  # make the stores visible to the tensor cores
-
-      def to_staging(src, dst, keep=None):
-        """fp8 block -> registers -> float16 (exact, one cvt per pair) -> a staging block."""
-        values = plgpu.load(src, layout=fp8_layout).astype(jnp.float16)
-        if keep is not None:
-          values = jnp.where(keep, values, 0)
-        dst[...] = values
-
-      def v_keep(masked, block, pages_in_pool):
-        """Where a masked step keeps V (rows the mask removed may hold stale or NaN data, and
-        0 * NaN = NaN in P V), else None."""
-        if not masked:
-          return None
-        positions = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=fp8_layout)
-        return attendable(positions, block, pages_in_pool)
 
       def stage_k(i):
         """Overlapped staging: block ``start + i``'s K into ``staging_k`` (its copy waited)."""
@@ -914,7 +999,7 @@ def paged_decode_attention_mosaic_gpu(
         slot = lax.rem(i, num_stages)
         refill = i + num_stages
         if not overlapped:  # (overlapped: the step before, or the prologue, waited and staged K)
-          plgpu.barrier_wait(k_barriers.at[slot])
+          plgpu.barrier_wait(k_ready.at[slot])
         if fp8_in_registers:  # K [block_kv, D], the A operand of S^T = K Q^T
           k_block = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA)
           # (pairs: head dims in _k_pairs_order)
@@ -926,7 +1011,7 @@ def paged_decode_attention_mosaic_gpu(
             plgpu.commit_smem()
           k_block, v_block = staging_k, staging_v
         else:
-          k_block, v_block = k_smem.at[slot], v_smem.at[slot]
+          k_block, v_block = k_ring.at[slot], v_ring.at[slot]
 
         def compute_qk(acc_ref):
           if transposed:  # S^T = K Q^T
@@ -969,7 +1054,7 @@ def paged_decode_attention_mosaic_gpu(
           l_i = l_i * alpha + p.sum(axis=pos_axis)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [row_axis])
         if not overlapped:  # (overlapped: V was waited for and staged during Q K^T)
-          plgpu.barrier_wait(v_barriers.at[slot])
+          plgpu.barrier_wait(v_ready.at[slot])
         if fp8_in_registers:  # V^T [D, block_kv] in registers, the A operand of O^T = V^T P^T
           if fp8_pairs:  # head dims even then odd
             pairs_t = plgpu.load(v_smem.at[slot].transpose((1, 0)), layout=plgpu.Layout.WGMMA)
@@ -1015,11 +1100,12 @@ def paged_decode_attention_mosaic_gpu(
         else:
           p_smem[...] = p.astype(compute_dtype)
           p_operand = p_smem
-        if fp8 or p_smem is not None:
+        reads_fp8_slot = fp8 and not producer
+        if reads_fp8_slot or p_smem is not None:
           # Makes P and the staged V visible to the tensor cores, and orders this step's reads of
           # the slot before its refill.
           plgpu.commit_smem()
-        if fp8:  # both fp8 blocks of the slot are converted: refill it while P V runs
+        if reads_fp8_slot:  # both fp8 blocks of the slot are converted: refill it while P V runs
           pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
 
         def compute_pv(pv_ref):
@@ -1040,10 +1126,10 @@ def paged_decode_attention_mosaic_gpu(
           acc = acc + pl.run_scoped(fresh_pv, plgpu.ACC(acc_shape, jnp.float32))
         else:  # onto the rescaled output, as jax's attention_mgpu.py does: no second accumulator
           acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-        if fp8:
-          pass  # refilled above
-        elif producer:  # both consumers release the slot; the producer refills it
+        if producer:  # both consumers release the slot; the producer refills (or converts) it
           pl.when(refill < num_steps)(lambda: plgpu.barrier_arrive(consumed_barriers.at[slot]))
+        elif fp8:
+          pass  # refilled above
         elif warpgroups == 1:
           # Both wgmmas on this slot are complete: refill it.
           pl.when(refill < num_steps)(functools.partial(fetch, start + refill, slot, refill_pages))
@@ -1127,7 +1213,7 @@ def paged_decode_attention_mosaic_gpu(
       plgpu.wait_smem_to_gmem(0)
 
     if producer:
-      pl.when(wg == warpgroups)(produce)
+      pl.when(wg == warpgroups)(produce_converted if fp8 else produce)
       pl.when(wg < warpgroups)(consume)
     else:
       consume()
@@ -1158,12 +1244,18 @@ def paged_decode_attention_mosaic_gpu(
     )
   for _ in range(2 if overlapped else int(staged)):  # the float16 staging block(s)
     scratch.append(plgpu.SMEM((block_kv, head_dim), compute_dtype, transforms=transforms))
-  if warpgroups > 1:  # consumed, v_zeroed
-    consumed_arrivals = warpgroups if producer else 1  # every consumer, or warpgroup 1
+  if converting_producer:  # the float16 K and V rings, and their ready barriers
     scratch += [
-      plgpu.Barrier(num_arrivals=consumed_arrivals, num_barriers=num_stages),
-      plgpu.Barrier(),
+      plgpu.SMEM((num_stages, block_kv, head_dim), compute_dtype, transforms=transforms),
+      plgpu.SMEM((num_stages, block_kv, head_dim), compute_dtype, transforms=transforms),
+      plgpu.Barrier(num_barriers=num_stages),
+      plgpu.Barrier(num_barriers=num_stages),
     ]
+  if warpgroups > 1:  # consumed, and with 16-bit pages v_zeroed
+    consumed_arrivals = warpgroups if producer else 1  # every consumer, or warpgroup 1
+    scratch.append(plgpu.Barrier(num_arrivals=consumed_arrivals, num_barriers=num_stages))
+    if not fp8:
+      scratch.append(plgpu.Barrier())
   num_items = batch * num_chunks
   out_type = (
     jax.ShapeDtypeStruct((num_items, num_kv_heads, padded_rows, head_dim), compute_dtype),
