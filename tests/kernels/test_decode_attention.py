@@ -1339,6 +1339,11 @@ def _g8_d128(name, q_len, kv_dtype, config):
   return (name, (4, q_len, 16, 128), (2, 64, 16, 128), 16, BF16, kv_dtype, config)
 
 
+def _g12_q7_d128(name, kv_dtype, config):
+  """A lowering case at G 12 q_len 7 (84 rows), D 128: 2 requests over 2 KV heads."""
+  return (name, (2, 7, 24, 128), (2, 64, 16, 128), 16, BF16, kv_dtype, config)
+
+
 LOWERING_CASES = [
   # id, (B, q_len, Hq, D), (Hkv, num_pages, page, D), max_pages, q dtype, pages' dtype, config
   _g8_d128("bf16 G8 q7", 7, BF16, None),
@@ -1364,24 +1369,16 @@ LOWERING_CASES = [
     BF16,
     TuningConfig(two_warpgroup_tiles=True, num_stages=2),
   ),
-  (
+  _g12_q7_d128(
     "bf16 G12 q7 two warpgroups and a producer",
-    (2, 7, 24, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
     BF16,
     TuningConfig(two_warpgroup_tiles=True, producer_warpgroup=True, page_ids_ahead=True),
   ),
   _g8_d128(
     "fp8 G8 q3 staging overlapped", 3, FP8, TuningConfig(fp8_staging_overlap=True, num_stages=2)
   ),
-  (
+  _g12_q7_d128(
     "fp8 G12 q7 two warpgroups and a converting producer",
-    (2, 7, 24, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
     FP8,
     TuningConfig(
       num_stages=3,
@@ -1392,12 +1389,8 @@ LOWERING_CASES = [
     ),
   ),
   _g8_d128("bf16 G8 q7 row tile, deferred sums", 7, BF16, TuningConfig(deferred_sum=True)),
-  (
+  _g12_q7_d128(
     "bf16 G12 q7 two warpgroups, deferred sums",
-    (2, 7, 24, 128),
-    (2, 64, 16, 128),
-    16,
-    BF16,
     BF16,
     TuningConfig(two_warpgroup_tiles=True, deferred_sum=True),
   ),
