@@ -137,6 +137,7 @@ from jaxspec.kernels.decode_attention.mosaic_gpu import (  # noqa: E402
   DEFAULT_REGISTER_OPERANDS_MIN_PAIRS,
   DEFAULT_TRANSPOSED_MAX_ROWS,
   FP8_IN_REGISTERS_STAGES_D128,
+  FP8_PRODUCER_STAGES,
   TuningConfig,
   default_config,
   transposed_max_rows,
@@ -1033,6 +1034,43 @@ def producer_check(rng, out_dir, smoke=False):
   )
 
 
+def fp8_producer_check(rng, out_dir, smoke=False):
+  """fp8 pages beyond 64 rows: the 128-row tile whose producer warpgroup converts each block
+  (default, ``default_config``'s choice at D 128 since 2026-12-06) against two 64-row tiles
+  that each convert it (variant, the default before), at G 12 q_len 6 and 7."""
+  b64 = [32768] * 64
+  ragged = rng.integers(1024, 32768 + 1, size=64)
+  shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
+    ("B64 L32k", b64, (6, 7), GLM_GROUP, HEAD_DIM, True),
+    ("B8 L32k", [32768] * 8, (7,), GLM_GROUP, HEAD_DIM, True),
+    ("B64 ragged 1k..32k", ragged, (7,), GLM_GROUP, HEAD_DIM, True),
+  ]
+  if smoke:
+    shapes = [("B2 L200", [200, 77], (6,), GLM_GROUP, HEAD_DIM, True)]
+  config_check(
+    rng,
+    out_dir,
+    "decode_attention_fp8_producer",
+    "fp8 pages beyond 64 rows: 128-row tile, converting producer / two 64-row tiles (variant)",
+    lambda config: dataclasses.replace(
+      config,
+      two_warpgroup_tiles=False,
+      producer_warpgroup=False,
+      page_ids_ahead=False,
+      fp8_staging_overlap=True,
+    ),
+    shapes,
+    smoke,
+    base={
+      "two_warpgroup_tiles": True,
+      "producer_warpgroup": True,
+      "page_ids_ahead": True,
+      "fp8_staging_overlap": False,
+      "num_stages": FP8_PRODUCER_STAGES,
+    },
+  )
+
+
 def transposed_rows_check(rng, out_dir, smoke=False):
   """Where transposed scores stop paying on 16-bit pages: 24, 32 and 40 packed rows (G 8 q_len
   3-5, G 12 q_len 2, D 128 and 64), the 64-row tile (default) against the transposed tile
@@ -1318,6 +1356,12 @@ def main():
     action="store_true",
     help="only: the 128-row tile with a producer warpgroup (decode_attention_producer_warpgroup.*)",
   )
+  parser.add_argument(
+    "--fp8-producer-check",
+    action="store_true",
+    help="only: fp8 pages beyond 64 rows, converting producer vs 64-row tiles "
+    "(decode_attention_fp8_producer.*)",
+  )
   parser.add_argument("--breakdown", action="store_true", help="only: time each kernel of a call")
   parser.add_argument(
     "--kernel-time",
@@ -1354,6 +1398,7 @@ def main():
     "deferred_sum_check": deferred_sum_check,
     "page_ids_ahead_check": page_ids_ahead_check,
     "producer_check": producer_check,
+    "fp8_producer_check": fp8_producer_check,
     "transposed_rows_check": transposed_rows_check,
   }
   for flag, check in checks.items():
