@@ -617,13 +617,11 @@ def unsupported_reason(
     return f"the Mosaic GPU kernel needs page size in {SUPPORTED_PAGE_SIZES}, got {page_size}"
   if config.block_kv % page_size:
     return f"block_kv={config.block_kv} must be a multiple of the page size {page_size}"
-  if (
-    k_pages.dtype == FP8_DTYPE
-    and _uses_two_warpgroups(q, k_pages, config)
-    and not config.producer_warpgroup
-  ):
-    return "two_warpgroup_tiles serves fp8 pages only with producer_warpgroup, which converts them"
   if k_pages.dtype == FP8_DTYPE and _uses_two_warpgroups(q, k_pages, config):
+    if not config.producer_warpgroup:
+      return (
+        "two_warpgroup_tiles serves fp8 pages only with producer_warpgroup, which converts them"
+      )
     # Its fp8 and float16 rings (counted with a P tile, which the GPU form keeps in registers).
     needed = smem_bytes(head_dim, config, 2 * ROWS_PER_TILE, kv_itemsize=1)
     if needed > _SMEM_PER_SM:
