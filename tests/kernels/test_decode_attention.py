@@ -736,23 +736,24 @@ def test_default_config_transposes_scores_up_to_16_rows(q_len, group, kv_dtype, 
 
 @pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize(
-  "q_len, group, kv_dtype, two_warpgroups",
-  [(5, 12, BF16, False), (6, 12, BF16, True), (7, 12, F16, True), (5, 16, BF16, True)]
-  + [(8, 8, BF16, False), (7, 12, FP8, True), (5, 12, FP8, False)],
+  "q_len, group, kv_dtype, head_dim, two_warpgroups",
+  [(5, 12, BF16, 128, False), (6, 12, BF16, 128, True), (7, 12, F16, 128, True)]
+  + [(5, 16, BF16, 128, True), (8, 8, BF16, 128, False), (7, 12, BF16, 64, True)]
+  + [(7, 12, FP8, 128, True), (7, 12, FP8, 64, True), (5, 12, FP8, 128, False)],
 )
 def test_default_config_takes_one_128_row_tile_beyond_64_rows(
-  q_len, group, kv_dtype, two_warpgroups
+  q_len, group, kv_dtype, head_dim, two_warpgroups
 ):
   """The measured policy: more than 64 packed rows run one 128-row tile of two warpgroups, fed
   by a producer warpgroup, which with fp8 pages converts them on a ring of its own depth."""
-  config = default_config(128, 16, kv_dtype, q_len * group)
+  config = default_config(head_dim, 16, kv_dtype, q_len * group)
   assert config.two_warpgroup_tiles == config.producer_warpgroup == two_warpgroups
   if two_warpgroups and kv_dtype == FP8:
     assert config.num_stages == mosaic_gpu.FP8_PRODUCER_STAGES
     assert not config.fp8_staging_overlap
-  assert not default_config(128, 16, kv_dtype).two_warpgroup_tiles  # rows unknown
-  q = jax.ShapeDtypeStruct((32, q_len, 2 * group, 128), BF16)  # 64 (request, KV head) pairs
-  pages = jax.ShapeDtypeStruct((2, 64, 16, 128), kv_dtype)
+  assert not default_config(head_dim, 16, kv_dtype).two_warpgroup_tiles  # rows unknown
+  q = jax.ShapeDtypeStruct((32, q_len, 2 * group, head_dim), BF16)  # 64 (request, KV head) pairs
+  pages = jax.ShapeDtypeStruct((2, 64, 16, head_dim), kv_dtype)
   assert api._default_config(q, pages).two_warpgroup_tiles == two_warpgroups
 
 
@@ -906,7 +907,8 @@ def test_default_config_gives_d64_transposed_tiles_two_stages():
   "q_len, group, head_dim, kv_dtype, overlap, deferred",
   [(1, 8, 128, BF16, False, False), (1, 8, 64, BF16, False, True), (1, 12, 128, F16, False, True)]
   + [(3, 8, 128, BF16, False, False), (1, 8, 64, FP8, False, False)]
-  + [(1, 12, 128, FP8, False, False), (3, 8, 128, FP8, True, False), (7, 12, 64, FP8, True, False)],
+  + [(1, 12, 128, FP8, False, False), (3, 8, 128, FP8, True, False), (5, 12, 64, FP8, True, False)]
+  + [(7, 12, 64, FP8, False, False)],  # the 128-row tile's producer converts instead
 )
 def test_default_config_overlaps_fp8_staging_and_defers_sums_where_measured(
   q_len, group, head_dim, kv_dtype, overlap, deferred
@@ -929,7 +931,8 @@ def test_default_config_overlaps_fp8_staging_and_defers_sums_where_measured(
     (64, 6, 12, 128, F16, True),
     (8, 7, 12, 128, BF16, True),
     (64, 7, 12, 128, FP8, True),  # fp8 in the 128-row tile
-    (64, 7, 12, 64, FP8, False),  # fp8 row tiles (D 64)
+    (64, 7, 12, 64, FP8, True),  # fp8 in the 128-row tile (D 64)
+    (64, 5, 12, 64, FP8, False),  # fp8 row tiles (D 64)
     (64, 7, 8, 128, BF16, False),  # 64-row tile
     (64, 1, 8, 128, BF16, True),  # transposed, 512 pairs
     (64, 1, 12, 128, BF16, True),

@@ -414,8 +414,9 @@ def default_config(
   G 12 B8 L32k); at 8 rows and D 128 it ran 0.96-1.01x (B1, B8, B64 L32k) and with fp8 pages in
   registers 0.89x (``benchmarks/results/decode_attention_deferred_sum*.md``).
 
-  More than 64 packed rows take the 128-row two-warpgroup tile (fp8 pages at D 128, where its
-  converting producer ran 1.16-1.22x faster than two 64-row tiles: ``FP8_PRODUCER_STAGES``).
+  More than 64 packed rows take the 128-row two-warpgroup tile; with fp8 pages its converting
+  producer ran 1.16-1.22x faster than two 64-row tiles at D 128 and 1.12-1.16x at D 64 (H100,
+  G 12 q_len 7, B8 and B64 L32k: ``FP8_PRODUCER_STAGES``).
   With 16-bit pages, once Q and P reached wgmma from registers it ran G 12 q_len 6/7 at B64
   L32k in 3086 / 3129 us against 3643 / 3625 us with two 64-row tiles (1.16-1.18x) and q_len 7
   at B8 L32k in 410 against 459 us (H200, same process; ``benchmarks/NOTES_decode_attention.md``,
@@ -459,13 +460,8 @@ def default_config(
   if transposed and kv_itemsize == 2 and head_dim == 64:
     num_stages = TRANSPOSED_STAGES_D64
   # More than 64 rows (G 12 from q_len 6 on): one 128-row tile reads each K/V block once (fp8
-  # pages converted by its producer, on a ring of FP8_PRODUCER_STAGES; measured at D 128 only).
-  two_warpgroup_tiles = (
-    many_pairs
-    and num_rows is not None
-    and num_rows > ROWS_PER_TILE
-    and (kv_itemsize == 2 or head_dim == 128)
-  )
+  # pages converted by its producer, on a ring of FP8_PRODUCER_STAGES).
+  two_warpgroup_tiles = many_pairs and num_rows is not None and num_rows > ROWS_PER_TILE
   if two_warpgroup_tiles and kv_itemsize == 1:
     num_stages = FP8_PRODUCER_STAGES
   # Transposed 16-bit tiles at D 128 over many pairs, where page ids read ahead paid.
