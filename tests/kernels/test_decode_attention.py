@@ -757,6 +757,21 @@ def test_default_config_takes_one_128_row_tile_beyond_64_rows(
   assert api._default_config(q, pages).two_warpgroup_tiles == two_warpgroups
 
 
+@pytest.mark.parametrize(
+  "producer, consumer",
+  [
+    (mosaic_gpu.PRODUCER_REGISTERS, mosaic_gpu.CONSUMER_REGISTERS),
+    (mosaic_gpu.CONVERTING_PRODUCER_REGISTERS, mosaic_gpu.CONVERTING_CONSUMER_REGISTERS),
+  ],
+)
+def test_register_splits_fit_what_the_three_warpgroups_launch_with(producer, consumer):
+  """setmaxnreg takes multiples of 8 in [24, 256]; a split that needs more than the 40 + 2 x 232
+  registers the tile launches with makes a consumer's increase wait forever (the kernel hangs)."""
+  for registers in (producer, consumer):
+    assert registers % 8 == 0 and 24 <= registers <= 256
+  assert producer + 2 * consumer == 40 + 2 * 232
+
+
 @pytest.mark.usefixtures("no_device_rule")
 @pytest.mark.parametrize("batch, registers", [(1, False), (31, False), (32, True), (64, True)])
 def test_default_config_keeps_operands_in_shared_memory_for_few_pairs(batch, registers):

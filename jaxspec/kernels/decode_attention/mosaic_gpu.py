@@ -54,7 +54,8 @@ blocks. Without it warpgroup 0 issues the copies at the end of its step, after w
 warpgroup 1's ``P V``, so the two consumers advance in step with each other. The producer
 lowers its registers to ``PRODUCER_REGISTERS`` and the consumers raise theirs to
 ``CONSUMER_REGISTERS`` (``setmaxnreg``): the tile already holds one work item per SM at 255
-registers, so the third warpgroup costs no occupancy. With fp8 pages the producer also converts:
+registers, so the third warpgroup costs no occupancy. With fp8 pages the producer also converts
+(and keeps ``CONVERTING_PRODUCER_REGISTERS``, the consumers ``CONVERTING_CONSUMER_REGISTERS``):
 its copies land in an fp8 ring, and it turns each block into float16 in registers (K, then V
 with the rows past the length or on out-of-pool pages zeroed where the step needs the mask),
 stores it into a float16 ring of the same depth and arrives at that slot's ``k_ready`` /
@@ -152,6 +153,13 @@ WARPS_PER_WARPGROUP = 4
 # attention_mgpu.py sets them; 128 x (40 + 2 x 232) = 64512 of the SM's 65536.
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
+# The same with fp8 pages, where the producer converts every block and its share set the pace
+# (H100, G 12 q_len 7, B64 L32k from L2, outputs bit for bit equal: 2886 -> 2763 us at D 128,
+# 2284 -> 2161 us at D 64 against 40 / 232; 88 / 208: 2807 us). Every split must keep the sum
+# of 40 + 2 x 232: the three warpgroups launch with 168 registers a thread, and a consumer's
+# increase past what the producer gave back waits forever (64 / 224 hung the kernel).
+CONVERTING_PRODUCER_REGISTERS = 120
+CONVERTING_CONSUMER_REGISTERS = 192
 # Transposed scores: the rows are the wgmma N dimension, a multiple of 8, here at most 128 (the
 # accumulators of S^T [block_kv, N] and O^T [D, N] stay in one warpgroup's registers).
 TRANSPOSED_ROW_ALIGN = 8
@@ -929,7 +937,7 @@ def paged_decode_attention_mosaic_gpu(
       both consumers have released it. A block that needs the mask gets its V rows past the
       length or on out-of-pool pages zeroed on the way (the consumers' mask covers K). Each
       fp8 slot is refilled as soon as its block is converted."""
-      plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+      plgpu.set_max_registers(CONVERTING_PRODUCER_REGISTERS, action="decrease")
       for s in range(num_stages):
         pl.when(s < num_steps)(functools.partial(fetch, start + s, s))
 
@@ -963,7 +971,8 @@ def paged_decode_attention_mosaic_gpu(
     def consume():
       """A consumer warpgroup (the only one without a producer): its rows of the tile."""
       if producer:
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        registers = CONVERTING_CONSUMER_REGISTERS if converting_producer else CONSUMER_REGISTERS
+        plgpu.set_max_registers(registers, action="increase")
 
       @pl.when(has_work)
       def _load_q():
