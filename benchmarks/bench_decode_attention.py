@@ -1036,9 +1036,9 @@ def producer_check(rng, out_dir, smoke=False):
 
 def fp8_producer_check(rng, out_dir, smoke=False):
   """fp8 pages beyond 64 rows: the 128-row tile whose producer warpgroup converts each block
-  (default, ``default_config``'s choice at D 128 since 2026-12-06) against two 64-row tiles
-  that each convert it (variant, the default before), at G 12 q_len 6 and 7; at D 64, where
-  ``default_config`` still takes the two 64-row tiles, the same pair decides whether it should."""
+  (default, ``default_config``'s choice since 2026-12-06, at D 64 from this check's first GPU
+  run) against two 64-row tiles that each convert it (variant, the default before), at G 12
+  q_len 6 and 7, D 128 and 64."""
   b64 = [32768] * 64
   ragged = rng.integers(1024, 32768 + 1, size=64)
   shapes = [  # (name, seq_lens, q_lens, G, D, fp8)
