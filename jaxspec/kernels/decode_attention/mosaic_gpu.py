@@ -423,8 +423,10 @@ def default_config(
   registers 0.89x (``benchmarks/results/decode_attention_deferred_sum*.md``).
 
   More than 64 packed rows take the 128-row two-warpgroup tile; with fp8 pages its converting
-  producer ran 1.16-1.22x faster than two 64-row tiles at D 128 and 1.12-1.16x at D 64 (H100,
-  G 12 q_len 7, B8 and B64 L32k: ``FP8_PRODUCER_STAGES``).
+  producer ran 1.22-1.27x faster than two 64-row tiles at D 128 and 1.17-1.22x at D 64 (H100,
+  G 12 q_len 6 and 7, B8 and B64 L32k, a ring of ``FP8_PRODUCER_STAGES``, the producer with
+  ``CONVERTING_PRODUCER_REGISTERS``;
+  ``benchmarks/results/decode_attention_fp8_producer_check_registers_h100_2026-12-06.md``).
   With 16-bit pages, once Q and P reached wgmma from registers it ran G 12 q_len 6/7 at B64
   L32k in 3086 / 3129 us against 3643 / 3625 us with two 64-row tiles (1.16-1.18x) and q_len 7
   at B8 L32k in 410 against 459 us (H200, same process; ``benchmarks/NOTES_decode_attention.md``,
