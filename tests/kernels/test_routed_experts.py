@@ -1,7 +1,9 @@
 """routed_experts: XLA path and Mosaic GPU kernels against a float64 NumPy oracle."""
 
 import dataclasses
+import fractions
 import functools
+import math
 import zlib
 
 import jax
@@ -121,6 +123,44 @@ CASES = {
     128,
     _skewed_ids,
     dataclasses.replace(SMALL_SPLIT_M, block_n_gate_up=128, block_n_down=256, epilogue_n=64),
+  ),
+  # Tiles of 24 rows (not a power of two) as the wgmma N dimension, the weight columns split
+  # over two consumer warpgroups; the skewed expert fills several tiles. Then 40-row tiles with
+  # each warpgroup's output staged in 64-column pieces.
+  "transposed_tiles_24_rows": (
+    75,
+    2,
+    8,
+    128,
+    128,
+    _skewed_ids,
+    TuningConfig(
+      block_m=24,
+      block_n_gate_up=128,
+      block_n_down=128,
+      num_stages=2,
+      warpgroups=2,
+      transposed_tiles=True,
+      num_sms=2,
+    ),
+  ),
+  "transposed_tiles_epilogue_pieces": (
+    75,
+    2,
+    8,
+    256,
+    128,
+    _skewed_ids,
+    TuningConfig(
+      block_m=40,
+      block_n_gate_up=128,
+      block_n_down=256,
+      num_stages=2,
+      warpgroups=2,
+      transposed_tiles=True,
+      epilogue_n=64,
+      num_sms=3,
+    ),
   ),
   # The tile table in parts (10 slots: 3 + 3 + 3 + 1, the last part unused with this routing)
   # and the down kernel and the combine over four 64-column ranges of H.
@@ -276,6 +316,19 @@ def test_tuning_config_is_validated():
     ({"warpgroups": 2, "block_n_gate_up": 128, "epilogue_n": 128}, "dividing each warpgroup's 64"),
     ({"warpgroups": 2, "block_n_down": 256, "epilogue_n": 96}, "epilogue_n must be a multiple"),
     ({"memory_parts": 0}, "memory_parts must be a positive int"),
+    ({"transposed_tiles": True}, "transposed_tiles needs warpgroups=2"),
+    (
+      {"transposed_tiles": True, "warpgroups": 2, "warpgroup_split": "m", "block_m": 128},
+      "warpgroup_split='n'",
+    ),
+    (
+      {"transposed_tiles": True, "warpgroups": 2, "block_n_down": 256, "block_m": 100},
+      "block_m must be a multiple of 8 up to 256",
+    ),
+    (
+      {"transposed_tiles": True, "warpgroups": 2, "block_n_down": 256, "block_m": 264},
+      "block_m must be a multiple of 8 up to 256",
+    ),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -313,6 +366,59 @@ def test_default_config_takes_128_row_tiles_from_64_routes_per_expert(
     ]
   ]
   assert mosaic_gpu.unsupported_reason(*shapes, config=config) is None
+
+
+@pytest.mark.parametrize(
+  ("num_tokens", "num_experts", "hidden", "intermediate", "tile_rows"),
+  [
+    (1024, 128, 4096, 1408, 128),  # 64 routes per expert: one 128-row tile each
+    (2048, 128, 4096, 1408, 144),  # 128 +- 11 routes: one tile of 144 for nearly every expert
+    (8192, 128, 4096, 1408, 136),  # 512 +- 22: four tiles of 136
+    (2048, 160, 5120, 1536, 128),  # GLM-4.5, 102 +- 10
+    (8192, 160, 5120, 1536, 144),  # GLM-4.5, 410 +- 20: three tiles of 144
+    (8192, 8, 384, 256, 128),  # every expert takes every token: 64 full tiles each
+    (2048, 16, 384, 256, 176),  # 1024 +- 23 routes: six tiles of 176; down N blocks of 128
+  ],
+)
+def test_default_config_sizes_prefill_tiles_to_the_expected_routes(
+  num_tokens, num_experts, hidden, intermediate, tile_rows
+):
+  config = mosaic_gpu.default_config(num_tokens, 8, num_experts, hidden, intermediate)
+  assert config.block_m == tile_rows
+  assert config.transposed_tiles == (tile_rows != 128)
+  assert config.warpgroup_split == ("m" if tile_rows == 128 else "n")
+  shapes = [
+    jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    for shape in [
+      (num_tokens, hidden),
+      (num_experts, hidden, intermediate),
+      (num_experts, hidden, intermediate),
+      (num_experts, intermediate, hidden),
+    ]
+  ]
+  x, w_gate, w_up, w_down = shapes
+  ids = jax.ShapeDtypeStruct((num_tokens, 8), jnp.int32)
+  weights = jax.ShapeDtypeStruct((num_tokens, 8), jnp.float32)
+  assert mosaic_gpu.unsupported_reason(x, ids, weights, w_gate, w_up, w_down, config=config) is None
+  # No other multiple of 8 from 128 to the register budget pads fewer rows.
+  chosen = mosaic_gpu.expected_tile_rows(num_tokens, 8, num_experts, tile_rows)
+  for rows in range(128, mosaic_gpu.MAX_TRANSPOSED_ROWS + 1, 8):
+    assert chosen <= mosaic_gpu.expected_tile_rows(num_tokens, 8, num_experts, rows)
+
+
+@pytest.mark.parametrize(
+  ("num_tokens", "top_k", "num_experts", "block_m"),
+  [(50, 8, 128, 8), (300, 8, 128, 24), (2048, 8, 128, 144), (2048, 8, 160, 128), (7, 2, 2, 8)],
+)
+def test_expected_tile_rows_is_the_binomial_expectation(num_tokens, top_k, num_experts, block_m):
+  # The exact sum over every count, in integers and fractions, against the truncated float sum.
+  p = fractions.Fraction(top_k, num_experts)
+  want = sum(
+    math.comb(num_tokens, c) * p**c * (1 - p) ** (num_tokens - c) * (-(-c // block_m) * block_m)
+    for c in range(num_tokens + 1)
+  )
+  got = mosaic_gpu.expected_tile_rows(num_tokens, top_k, num_experts, block_m)
+  assert got == pytest.approx(float(want), rel=1e-9)
 
 
 @pytest.mark.parametrize(
@@ -474,7 +580,8 @@ TWO_WARPGROUPS_M = TuningConfig(
     ("glm45", 2048, None),
     ("glm45_air", 64, TWO_WARPGROUPS_N),
     ("glm45_air", 2048, TWO_WARPGROUPS_M),
-    ("glm45_air", 8192, None),  # in 4 memory parts
+    ("glm45_air", 8192, None),  # in 4 memory parts, transposed tiles of 136 rows
+    ("glm45", 8192, None),  # transposed tiles of 144 rows
   ],
 )
 def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
@@ -631,6 +738,11 @@ def test_memory_parts_on_gpu_give_the_one_pass_result_bit_for_bit():
     dataclasses.replace(
       TWO_WARPGROUPS_M, warpgroup_split="n", block_n_down=256, num_stages=3, epilogue_n=64
     ),
+    # Transposed tiles of the register budget's 184 rows and of 136.
+    dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, block_m=184, warpgroup_split="n",
+                        transposed_tiles=True, epilogue_n=64),
+    dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, block_m=136, warpgroup_split="n",
+                        transposed_tiles=True, epilogue_n=64),
   ],
 )
 def test_tuning_configs_on_gpu_match_xla(config):

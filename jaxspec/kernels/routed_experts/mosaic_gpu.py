@@ -64,6 +64,7 @@ step.
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -79,10 +80,16 @@ from jaxspec.kernels.routed_experts.reference import combine_routes
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ROWS_PER_WGMMA = 64  # the wgmma M of one warpgroup
 ROW_ALIGN = 8  # buffer rows of a tile start at multiples of the 8-row SMEM tiling
+MAX_WGMMA_N = 256
 SMEM_BYTES = 227 * 1024  # usable shared memory per SM on Hopper
 # Accumulator elements per consumer warpgroup (all accumulators of a kernel together): 128
 # float32 registers per thread at most, so the epilogue and the addressing keep theirs.
 MAX_ACC_ELEMENTS = 128 * 128
+# The same with transposed tiles, whose consumer warpgroups run beside a producer warpgroup
+# holding 40 registers a thread (232 each for the consumers): ptxas reported no spills for either
+# kernel of tiles of up to this many rows (gate/up: 2 x 64 x 184 accumulators; H100, jax 0.11.2).
+MAX_TRANSPOSED_ROWS = 184
+MAX_ACC_ELEMENTS_TRANSPOSED = MAX_TRANSPOSED_ROWS * 128
 # Mean routes per expert from which default_config takes 128-row two-warpgroup tiles: on the
 # H200 both GLM shapes crossed over between 56 (0.96-0.98x) and 64 (1.11-1.17x) routes per
 # expert (default_config's docstring).
@@ -124,6 +131,11 @@ class TuningConfig:
       once). Smaller pieces leave shared memory to a deeper ring: the two 64 x 256 bf16 down tiles
       of a 128-row tile staged whole take 64 KiB.
     num_sms: SMs the persistent grid covers; ``None`` asks the device.
+    transposed_tiles: with two consumer warpgroups split by columns, the tile's rows are the
+      wgmma N dimension (``out^T = W^T lhs^T``, the weight block a transposed A, the tile's rows
+      a transposed B), so ``block_m`` can be any multiple of 8 up to 256 instead of 64 or 128:
+      tiles sized to the routes an expert gets pad fewer rows. The output tile is stored
+      transposed into shared memory, then to the buffer's rows.
     memory_parts: bounds the temporaries at prefill sizes (``routed_experts_mosaic_gpu``): the
       gate/up kernel runs over this many parts of the tile table, each reading its own slice of
       ``xs``, into one ``act``; the down kernel and the combine run over this many column ranges
@@ -139,6 +151,7 @@ class TuningConfig:
   warpgroup_split: str = "n"
   epilogue_n: int | None = None
   num_sms: int | None = None
+  transposed_tiles: bool = False
   memory_parts: int = 1
 
   def __post_init__(self):
@@ -152,7 +165,18 @@ class TuningConfig:
       "memory_parts",
     )
     validate_config_fields(self, positive=fields + ("epilogue_n",))
-    if self.block_m not in (64, 128):
+    if self.transposed_tiles:
+      if self.warpgroups != 2 or self.warpgroup_split != "n":
+        raise ValueError(
+          "TuningConfig.transposed_tiles needs warpgroups=2 and warpgroup_split='n' (the "
+          "consumer warpgroups share the weight columns of a tile)"
+        )
+      if self.block_m % ROW_ALIGN or self.block_m > MAX_WGMMA_N:
+        raise ValueError(
+          f"TuningConfig.block_m must be a multiple of {ROW_ALIGN} up to {MAX_WGMMA_N} with "
+          f"transposed_tiles (the wgmma N), got {self.block_m}"
+        )
+    elif self.block_m not in (64, 128):
       raise ValueError(f"TuningConfig.block_m must be 64 or 128, got {self.block_m}")
     for name in ("block_n_gate_up", "block_n_down", "block_k"):
       if getattr(self, name) % 64:
@@ -194,7 +218,8 @@ class TuningConfig:
     return rows, self.epilogue_n or columns
 
   def accumulator_shape(self, block_n: int) -> tuple[int, int]:
-    """The [rows, columns] accumulated by one consumer warpgroup for an N block of ``block_n``."""
+    """The [rows, columns] accumulated by one consumer warpgroup for an N block of ``block_n``
+    (with ``transposed_tiles`` the accumulator is its transpose, [columns, rows])."""
     if self.warpgroups == 1:
       return (self.block_m, block_n)
     if self.warpgroup_split == "m":
@@ -281,8 +306,67 @@ def default_config(
     for config in (PREFILL_CONFIG, PREFILL_CONFIG_N128):
       if intermediate % config.block_n_gate_up == 0 and hidden % config.block_n_down == 0:
         parts = memory_parts(num_tokens * top_k, hidden // config.block_n_down)
-        return dataclasses.replace(config, memory_parts=parts)
+        config = dataclasses.replace(config, memory_parts=parts)
+        return prefill_tile_rows(config, num_tokens, top_k, num_experts)
   return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
+
+
+def prefill_tile_rows(
+  config: TuningConfig, num_tokens: int, top_k: int, num_experts: int
+) -> TuningConfig:
+  """``config`` (128-row tiles) or, where tiles of another multiple of 8 between 128 and
+  ``MAX_TRANSPOSED_ROWS`` rows multiply fewer rows in expectation (``expected_tile_rows``), the
+  same kernels with transposed tiles of that many rows: 3-deep rings, each warpgroup's output
+  staged in 64-column pieces (the larger tiles' rows take the shared memory of a deeper ring).
+
+  Below 128 rows a tile is held by its weight block's traffic through L2 rather than by its
+  rows (``benchmarks/NOTES_routed_experts.md``), so smaller tiles are not considered. Outputs are
+  bit for bit those of the 128-row tiles: each route's row sees the same products in the same
+  order.
+  """
+  candidates = range(config.block_m, MAX_TRANSPOSED_ROWS + 1, ROW_ALIGN)
+  rows = min(candidates, key=lambda r: expected_tile_rows(num_tokens, top_k, num_experts, r))
+  if rows == config.block_m:
+    return config
+  return dataclasses.replace(
+    config,
+    block_m=rows,
+    num_stages=3,
+    warpgroup_split="n",
+    transposed_tiles=True,
+    epilogue_n=ROWS_PER_WGMMA,
+  )
+
+
+@functools.lru_cache(maxsize=64)
+def _route_count_pmf(num_tokens: int, top_k: int, num_experts: int):
+  """(counts, probabilities) of one expert's routes under uniformly random routing,
+  ``Binomial(num_tokens, top_k / num_experts)`` (each token picks ``top_k`` distinct experts),
+  over the counts within 12 standard deviations of the mean (the rest weighs below 1e-30)."""
+  p = min(top_k / num_experts, 1.0)
+  if p == 1.0:
+    return np.array([num_tokens]), np.array([1.0])
+  mean, sd = num_tokens * p, math.sqrt(num_tokens * p * (1.0 - p))
+  first, last = max(0, math.floor(mean - 12 * sd)), min(num_tokens, math.ceil(mean + 12 * sd))
+  counts = np.arange(first, last + 1)
+  log_first = (
+    math.lgamma(num_tokens + 1)
+    - math.lgamma(first + 1)
+    - math.lgamma(num_tokens - first + 1)
+    + first * math.log(p)
+    + (num_tokens - first) * math.log1p(-p)
+  )
+  # log P(c + 1) - log P(c) = log((T - c) / (c + 1)) + log(p / (1 - p))
+  steps = np.log((num_tokens - counts[:-1]) / (counts[:-1] + 1)) + math.log(p / (1.0 - p))
+  return counts, np.exp(log_first + np.concatenate([[0.0], np.cumsum(steps)]))
+
+
+def expected_tile_rows(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> float:
+  """Rows the tiles of ``block_m`` rows multiply per expert, in expectation over uniformly
+  random routing (``_route_count_pmf``): an expert with ``c`` routes takes ``ceil(c / block_m)``
+  tiles."""
+  counts, pmf = _route_count_pmf(num_tokens, top_k, num_experts)
+  return float(np.sum(pmf * -(-counts // block_m) * block_m))
 
 
 def memory_parts(num_routes: int, down_blocks: int) -> int:
@@ -345,10 +429,11 @@ def unsupported_reason(
     ("down", config.block_n_down, 1),
   ):
     rows, columns = config.accumulator_shape(block_n)
-    if num_rhs * rows * columns > MAX_ACC_ELEMENTS:
+    budget = MAX_ACC_ELEMENTS_TRANSPOSED if config.transposed_tiles else MAX_ACC_ELEMENTS
+    if num_rhs * rows * columns > budget:
       return (
         f"the {kernel} kernel's accumulators ({num_rhs} x {rows} x {columns} per warpgroup) "
-        f"exceed {MAX_ACC_ELEMENTS} float32 elements (the register budget)"
+        f"exceed {budget} float32 elements (the register budget)"
       )
     smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize)
     if smem > SMEM_BYTES:
@@ -493,7 +578,7 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
   ``out_smem`` is unswizzled so that any multiple-of-8 row offset can be sliced.
   """
   offset = 0  # static for the first (largest) copy, traced after
-  size = max_rows
+  size = 1 << (max_rows.bit_length() - 1)  # rows < 2 * size: no higher bit is set
   while size >= ROW_ALIGN:
     part = rows & size
 
@@ -570,9 +655,14 @@ def _grouped_matmul(
     lhs_start = pl.multiple_of(row_start - lhs_row_ref[0], ROW_ALIGN)  # lhs_row: a tile's row
     return lax.rem(item, n_blocks), table_ref[0, tile], row_start, lhs_start, table_ref[2, tile]
 
+  transposed = config.transposed_tiles
+
   def mma_step(acc_refs, lhs_smem, rhs_smems):
     for acc_ref, rhs_smem in zip(acc_refs, rhs_smems, strict=True):
-      plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+      if transposed:  # out^T [columns, rows] = rhs^T @ lhs^T
+        plgpu.wgmma(acc_ref, rhs_smem.transpose((1, 0)), lhs_smem.transpose((1, 0)))
+      else:
+        plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
     # Wait until the wgmmas of the steps whose slots are released next are complete: the
     # previous step's (one warpgroup; this step's run on) or this step's (with a producer).
     plgpu.wgmma_wait(len(acc_refs) * delay_release)
@@ -610,6 +700,7 @@ def _grouped_matmul(
 
   split_m = config.warpgroup_split == "m"
   wg_rows, wg_cols = config.accumulator_shape(block_n)  # with two consumer warpgroups
+  acc_shape = (wg_cols, wg_rows) if transposed else (wg_rows, wg_cols)
   epi_cols = config.epilogue_shape(block_n)[1]
 
   def warp_specialized(num_tiles_ref, table_ref, lhs_row_ref, lhs_ref, *refs):
@@ -653,9 +744,7 @@ def _grouped_matmul(
         )
 
         def compute_context(eval_pipeline):
-          @functools.partial(
-            pl.run_scoped, acc_refs=[plgpu.ACC((wg_rows, wg_cols)) for _ in rhs_refs]
-          )
+          @functools.partial(pl.run_scoped, acc_refs=[plgpu.ACC(acc_shape) for _ in rhs_refs])
           def _accumulate(acc_refs):
             eval_pipeline(acc_refs)
             result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
@@ -666,9 +755,13 @@ def _grouped_matmul(
               own_rows, first_row = rows, row_start
               first_column = n_block * block_n + wg * wg_cols
             for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
+              piece_columns = slice(piece * epi_cols, (piece + 1) * epi_cols)
               # The previous piece's (or item's) copies must have read the staging tile.
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              out_smem[wg] = result[:, piece * epi_cols : (piece + 1) * epi_cols]
+              if transposed:  # [columns, rows] registers into the [rows, columns] tile
+                out_smem.at[wg].transpose((1, 0))[...] = result[piece_columns]
+              else:
+                out_smem[wg] = result[:, piece_columns]
               plgpu.commit_smem()
               columns = pl.ds(first_column + piece * epi_cols, epi_cols)
               _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
