@@ -739,10 +739,20 @@ def test_memory_parts_on_gpu_give_the_one_pass_result_bit_for_bit():
       TWO_WARPGROUPS_M, warpgroup_split="n", block_n_down=256, num_stages=3, epilogue_n=64
     ),
     # Transposed tiles of the register budget's 184 rows and of 136.
-    dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, block_m=184, warpgroup_split="n",
-                        transposed_tiles=True, epilogue_n=64),
-    dataclasses.replace(mosaic_gpu.PREFILL_CONFIG, block_m=136, warpgroup_split="n",
-                        transposed_tiles=True, epilogue_n=64),
+    dataclasses.replace(
+      mosaic_gpu.PREFILL_CONFIG,
+      block_m=184,
+      warpgroup_split="n",
+      transposed_tiles=True,
+      epilogue_n=64,
+    ),
+    dataclasses.replace(
+      mosaic_gpu.PREFILL_CONFIG,
+      block_m=136,
+      warpgroup_split="n",
+      transposed_tiles=True,
+      epilogue_n=64,
+    ),
   ],
 )
 def test_tuning_configs_on_gpu_match_xla(config):

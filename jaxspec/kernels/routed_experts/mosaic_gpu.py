@@ -49,6 +49,15 @@ and the N blocks are chosen so that the items cover every SM (``default_config``
 sizes every M tile is full but the last of each expert, and the kernels are held by the L2's
 throughput (2048 tokens) or the wgmmas (8192; ``benchmarks/NOTES_routed_experts.md``).
 
+Transposed tiles (``TuningConfig.transposed_tiles``): a tile's rows are the wgmma N dimension
+(``out^T = W^T lhs^T``: the weight block a transposed A operand, the tile's rows a transposed
+B), so ``block_m`` can be any multiple of 8 up to 256, not only the 64 rows of a warpgroup's
+wgmma M. At prefill sizes ``default_config`` sizes the tiles to the routes an expert is expected
+to get (GLM-4.5-Air at 2048 tokens: 128 +- 11 routes per expert, tiles of 144 rows pad 1.20
+rows per route where 128-row tiles pad 1.48, since half the experts need a second, nearly empty
+one). Each consumer warpgroup stores its ``[columns, rows]`` accumulator transposed into a
+``[rows, 64]`` staging tile.
+
 A tile always loads ``block_m`` rows from its first row on, so its rows past the expert's span
 belong to the next expert or to the tail of ``xs``/``act`` (padding, never written by the plan
 or the kernels). Their output rows are computed and discarded: the epilogue stores only the
@@ -296,6 +305,13 @@ def default_config(
   ring fits beside the 128-column pieces too, but it was no faster (one process, GLM-4.5-Air /
   GLM-4.5, 3 -> 4 stages): 1556 -> 1612 / 2029 -> 2078 us at 2048 tokens, 4391 -> 4255 / 6357
   -> 6481 us at 8192.
+
+  At prefill sizes the tiles then take the multiple of 8 rows from 128 to
+  ``MAX_TRANSPOSED_ROWS`` that pads the fewest rows under random routing
+  (``prefill_tile_rows``): on an H100, one process, outputs bit for bit equal, GLM-4.5-Air 1919
+  -> 1762-1816 us at 2048 tokens (144 rows) and 4538-4631 -> 4263-4476 us at 8192 (136 rows),
+  GLM-4.5 6635-6696 -> 6026-6030 us at 8192 (144 rows); at equal rows (GLM-4.5, 2048 tokens)
+  the transposed tiles took 2821-2850 us against 2873-2884, so 128 rows keep the row tiles.
 
   From ``MAX_ROUTES_PER_PART`` routes on, the prefill configs run in ``memory_parts`` (so the
   routed-row buffers stay under that many rows of H at any chunk size): at GLM-4.5-Air's shapes
