@@ -738,20 +738,11 @@ def test_memory_parts_on_gpu_give_the_one_pass_result_bit_for_bit():
     dataclasses.replace(
       TWO_WARPGROUPS_M, warpgroup_split="n", block_n_down=256, num_stages=3, epilogue_n=64
     ),
-    # Transposed tiles of the register budget's 184 rows and of 136.
+    # Transposed tiles as default_config makes them, and of the register budget's 184 rows.
+    mosaic_gpu.prefill_tile_rows(mosaic_gpu.PREFILL_CONFIG, 2048, 8, 16),  # 176 rows
+    mosaic_gpu.prefill_tile_rows(mosaic_gpu.PREFILL_CONFIG, 8192, 8, 128),  # 136 rows
     dataclasses.replace(
-      mosaic_gpu.PREFILL_CONFIG,
-      block_m=184,
-      warpgroup_split="n",
-      transposed_tiles=True,
-      epilogue_n=64,
-    ),
-    dataclasses.replace(
-      mosaic_gpu.PREFILL_CONFIG,
-      block_m=136,
-      warpgroup_split="n",
-      transposed_tiles=True,
-      epilogue_n=64,
+      mosaic_gpu.prefill_tile_rows(mosaic_gpu.PREFILL_CONFIG, 8192, 8, 128), block_m=184
     ),
   ],
 )
