@@ -347,6 +347,11 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
     # The prefill config in parts (with the one-part entry above: time_config records the peak
     # memory of the default and of the configs that differ from it only in memory_parts).
     grid += [dict(dataclasses.asdict(mosaic_gpu.PREFILL_CONFIG), memory_parts=p) for p in (2, 4)]
+    # Transposed tiles (rows as the wgmma N) of other sizes than default_config's choice.
+    transposed = dict(
+      split_m, warpgroup_split="n", transposed_tiles=True, block_n_down=256, num_stages=3
+    )
+    grid += [dict(transposed, block_m=rows, epilogue_n=64) for rows in (136, 144, 152, 184)]
   return [TuningConfig(**changes) for changes in grid]
 
 
