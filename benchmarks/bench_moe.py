@@ -60,6 +60,8 @@ QUICK_TUNE_TOKENS = (1, 64, 384, 8192)
 BREAKDOWN_TOKENS = (1, 64, 2048, 8192)
 # Mean routes per expert of the --crossover sweep, around default_config's threshold.
 CROSSOVER_ROUTES_PER_EXPERT = (40, 48, 56, 64, 72, 80, 88)
+# Expected tiles per expert beyond one that the --crossover sweep's transposed tiles may take.
+ONE_TILE_EXCESS = 0.01
 SMOKE_SHAPES = {"smoke": (8, 128, 128)}
 SMOKE_TOKENS = (1, 5)
 PER_ROUTE_MAX_BYTES = 24e9  # the per_route gather of one call must fit next to the rest
@@ -397,18 +399,35 @@ def time_config(layer, variants, config, default, smoke=False) -> dict:
   return entry
 
 
+def one_tile_rows(num_tokens: int, num_experts: int) -> int:
+  """The fewest rows, a multiple of 8 from 64 to ``MAX_TRANSPOSED_ROWS``, whose tiles number at
+  most ``ONE_TILE_EXCESS`` more than one per expert in expectation under uniformly random
+  routing (each expert's weights read about once, as by 128-row tiles at these sizes)."""
+  candidates = range(64, mosaic_gpu.MAX_TRANSPOSED_ROWS + 1, mosaic_gpu.ROW_ALIGN)
+  for rows in candidates:
+    tiles = mosaic_gpu.expected_tile_rows(num_tokens, TOP_K, num_experts, rows) / rows
+    if tiles <= 1.0 + ONE_TILE_EXCESS:
+      return rows
+  return candidates[-1]
+
+
 def crossover(rng, layer, tuning, save, smoke=False):
   """Times ``default_config``'s two choices, the one-warpgroup ``decode_config`` and
-  ``PREFILL_CONFIG``, on both sides of its threshold (``CROSSOVER_ROUTES_PER_EXPERT`` mean
-  routes per expert), both on the same inputs."""
+  ``prefill_config``, on both sides of its threshold (``CROSSOVER_ROUTES_PER_EXPERT`` mean
+  routes per expert), all on the same inputs; beside them a candidate for that range, the
+  prefill kernels with transposed tiles of ``one_tile_rows`` rows, which multiply fewer padded
+  rows than 128-row tiles while still reading each expert's weights about once."""
   num_experts, hidden, intermediate = layer.w_gate.shape
   routes_per_expert = CROSSOVER_ROUTES_PER_EXPERT[3:4] if smoke else CROSSOVER_ROUTES_PER_EXPERT
   for per_expert in routes_per_expert:
     num_tokens = per_expert * num_experts // TOP_K
     shapes = (num_tokens, TOP_K, num_experts, hidden, intermediate)
+    prefill = mosaic_gpu.prefill_config(hidden, intermediate)
+    rows = one_tile_rows(num_tokens, num_experts)
     configs = {
       "decode": mosaic_gpu.decode_config(*shapes),
-      "prefill": mosaic_gpu.PREFILL_CONFIG,
+      "prefill": prefill,
+      "transposed": mosaic_gpu.with_transposed_tiles(prefill, rows),
     }
     variants = fresh_inputs(rng, num_tokens, num_experts, hidden, 1 if smoke else 4)
     default = mosaic_gpu.default_config(*shapes)
@@ -640,28 +659,40 @@ def render_markdown(meta, rows, breakdowns, tuning):
         f"| {entry['shape']} | {entry['tokens']} | {gate_up:.0f} | {down:.0f} "
         f"| {total - gate_up - down:.0f} ({len(kernels) - 2}) | {total:.0f} |"
       )
-  pairs = {}  # (shape, tokens, routes per expert) -> {choice: us}, from --crossover
+  groups = {}  # (shape, tokens, routes per expert) -> {choice: entry}, from --crossover
   for entry in tuning:
     if "crossover" in entry:
       key = (entry["shape"], entry["tokens"], entry["crossover"]["routes_per_expert"])
-      pairs.setdefault(key, {})[entry["crossover"]["choice"]] = entry.get("us")
-  if pairs:
+      groups.setdefault(key, {})[entry["crossover"]["choice"]] = entry
+  if groups:
     lines += [
       "",
       "## default_config's two choices around its threshold "
       f"({mosaic_gpu.PREFILL_ROUTES_PER_EXPERT} routes per expert)",
       "",
-      "decode: `decode_config` (64-row tiles, one warpgroup); prefill: `PREFILL_CONFIG` (128-row "
-      "tiles split by rows over two consumer warpgroups, a producer warpgroup).",
+      "decode: `decode_config` (64-row tiles, one warpgroup); prefill: `prefill_config` (128-row "
+      "tiles split by rows over two consumer warpgroups, a producer warpgroup); transposed: the "
+      "prefill kernels with transposed tiles of the fewest rows that hold most experts' routes "
+      "in one tile (`one_tile_rows`), not a default.",
       "",
-      "| shape | tokens | routes per expert | decode us | prefill us | decode / prefill |",
-      "| --- | --- | --- | --- | --- | --- |",
+      "| shape | tokens | routes per expert | decode us | prefill us | decode / prefill "
+      "| transposed rows | transposed us | transposed / prefill |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for (shape, tokens, per_expert), times in pairs.items():
-      decode, prefill = times.get("decode"), times.get("prefill")
-      ratio = f"{decode / prefill:.2f}" if decode and prefill else "n/a"
-      decode, prefill = (f"{t:.0f}" if t else "n/a" for t in (decode, prefill))
-      lines.append(f"| {shape} | {tokens} | {per_expert} | {decode} | {prefill} | {ratio} |")
+
+    def ratio(a, b):
+      return f"{a / b:.2f}" if a and b else "n/a"
+
+    for (shape, tokens, per_expert), entries in groups.items():
+      decode, prefill, transposed = (
+        entries.get(c, {}).get("us") for c in ("decode", "prefill", "transposed")
+      )
+      rows = entries.get("transposed", {}).get("config", {}).get("block_m", "n/a")
+      times = " | ".join(f"{t:.0f}" if t else "n/a" for t in (decode, prefill))
+      lines.append(
+        f"| {shape} | {tokens} | {per_expert} | {times} | {ratio(decode, prefill)} | {rows} "
+        f"| {f'{transposed:.0f}' if transposed else 'n/a'} | {ratio(transposed, prefill)} |"
+      )
   elif tuning:
     lines += [
       "",

@@ -318,13 +318,21 @@ def default_config(
   and 8192 tokens 4 parts cost 8% of the time and keep the layer's peak under 4 x its
   activations plus its weights (5.30 -> 4.94 GB; ``memory_parts=1`` buys the time back).
   """
-  if num_tokens * top_k >= PREFILL_ROUTES_PER_EXPERT * num_experts:
-    for config in (PREFILL_CONFIG, PREFILL_CONFIG_N128):
-      if intermediate % config.block_n_gate_up == 0 and hidden % config.block_n_down == 0:
-        parts = memory_parts(num_tokens * top_k, hidden // config.block_n_down)
-        config = dataclasses.replace(config, memory_parts=parts)
-        return prefill_tile_rows(config, num_tokens, top_k, num_experts)
-  return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
+  config = prefill_config(hidden, intermediate)
+  if config is None or num_tokens * top_k < PREFILL_ROUTES_PER_EXPERT * num_experts:
+    return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
+  parts = memory_parts(num_tokens * top_k, hidden // config.block_n_down)
+  config = dataclasses.replace(config, memory_parts=parts)
+  return prefill_tile_rows(config, num_tokens, top_k, num_experts)
+
+
+def prefill_config(hidden: int, intermediate: int) -> TuningConfig | None:
+  """``PREFILL_CONFIG``, or ``PREFILL_CONFIG_N128`` where ``hidden`` is a multiple of 128 but
+  not of 256; None where the N blocks of neither divide ``intermediate`` and ``hidden``."""
+  for config in (PREFILL_CONFIG, PREFILL_CONFIG_N128):
+    if intermediate % config.block_n_gate_up == 0 and hidden % config.block_n_down == 0:
+      return config
+  return None
 
 
 def prefill_tile_rows(
@@ -332,8 +340,7 @@ def prefill_tile_rows(
 ) -> TuningConfig:
   """``config`` (128-row tiles) or, where tiles of another multiple of 8 between 128 and
   ``MAX_TRANSPOSED_ROWS`` rows multiply fewer rows in expectation (``expected_tile_rows``), the
-  same kernels with transposed tiles of that many rows: 3-deep rings, each warpgroup's output
-  staged in 64-column pieces (the larger tiles' rows take the shared memory of a deeper ring).
+  same kernels with transposed tiles of that many rows (``with_transposed_tiles``).
 
   Below 128 rows a tile is held by its weight block's traffic through L2 rather than by its
   rows (``benchmarks/NOTES_routed_experts.md``), so smaller tiles are not considered. Outputs are
@@ -342,8 +349,13 @@ def prefill_tile_rows(
   """
   candidates = range(config.block_m, MAX_TRANSPOSED_ROWS + 1, ROW_ALIGN)
   rows = min(candidates, key=lambda r: expected_tile_rows(num_tokens, top_k, num_experts, r))
-  if rows == config.block_m:
-    return config
+  return config if rows == config.block_m else with_transposed_tiles(config, rows)
+
+
+def with_transposed_tiles(config: TuningConfig, rows: int) -> TuningConfig:
+  """``config``'s N blocks with transposed tiles of ``rows`` rows (a multiple of 8 up to
+  ``MAX_TRANSPOSED_ROWS``): 3-deep rings, each warpgroup's output staged in 64-column pieces
+  (the larger tiles' rows take the shared memory of a deeper ring)."""
   return dataclasses.replace(
     config,
     block_m=rows,
