@@ -22,10 +22,10 @@ a cut run keeps its rows).
 ``--quick`` times fewer token counts; ``--tokens`` and ``--shapes`` choose them; ``--tune`` adds
 a sweep of TuningConfigs per token count (GLM-4.5-Air) to choose defaults from, ``--tune-only``
 runs the sweep alone (into ``moe_tuning.json`` and ``.md``); ``--crossover`` alone times
-``default_config``'s two choices around its threshold on every shape of ``--shapes`` (into
-``moe_crossover.json`` and ``.md``); ``--smoke`` runs tiny shapes in GPU interpret mode on any
-backend (a check of the script, not a measurement) and writes to a temporary directory unless
-``--out`` is given.
+``default_config``'s two choices around its threshold, and transposed tiles sized to hold an
+expert's routes, on every shape of ``--shapes`` (into ``moe_crossover.json`` and ``.md``);
+``--smoke`` runs tiny shapes in GPU interpret mode on any backend (a check of the script, not a
+measurement) and writes to a temporary directory unless ``--out`` is given.
 
 Usage: ``python benchmarks/bench_moe.py [--quick] [--tune | --tune-only] [--tokens N ...]
 [--shapes NAME ...]``, ``... --crossover [--shapes NAME ...]`` or either with ``--smoke``.
@@ -486,7 +486,8 @@ def main():
   parser.add_argument(
     "--crossover",
     action="store_true",
-    help="alone: default_config's two choices around its threshold, every shape of --shapes",
+    help="alone: default_config's two choices around its threshold and transposed tiles of "
+    "one_tile_rows rows, every shape of --shapes",
   )
   parser.add_argument(
     "--tokens", type=int, nargs="+", default=None, help="token counts of the rows and the sweep"
