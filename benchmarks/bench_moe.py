@@ -680,19 +680,15 @@ def render_markdown(meta, rows, breakdowns, tuning):
       "| transposed rows | transposed us | transposed / prefill |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-
-    def ratio(a, b):
-      return f"{a / b:.2f}" if a and b else "n/a"
-
     for (shape, tokens, per_expert), entries in groups.items():
       decode, prefill, transposed = (
-        entries.get(c, {}).get("us") for c in ("decode", "prefill", "transposed")
+        entries.get(c, {}) for c in ("decode", "prefill", "transposed")
       )
-      rows = entries.get("transposed", {}).get("config", {}).get("block_m", "n/a")
-      times = " | ".join(f"{t:.0f}" if t else "n/a" for t in (decode, prefill))
+      rows = transposed.get("config", {}).get("block_m", "n/a")
       lines.append(
-        f"| {shape} | {tokens} | {per_expert} | {times} | {ratio(decode, prefill)} | {rows} "
-        f"| {f'{transposed:.0f}' if transposed else 'n/a'} | {ratio(transposed, prefill)} |"
+        f"| {shape} | {tokens} | {per_expert} | {us(decode)} | {us(prefill)} "
+        f"| {ratio(entries, 'decode', 'prefill')} | {rows} | {us(transposed)} "
+        f"| {ratio(entries, 'transposed', 'prefill')} |"
       )
   elif tuning:
     lines += [
