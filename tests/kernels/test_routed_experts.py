@@ -407,6 +407,42 @@ def test_default_config_sizes_prefill_tiles_to_the_expected_routes(
 
 
 @pytest.mark.parametrize(
+  ("hidden", "intermediate", "want"),
+  [
+    (4096, 1408, mosaic_gpu.PREFILL_CONFIG),
+    (384, 256, mosaic_gpu.PREFILL_CONFIG_N128),  # H no multiple of 256: down N blocks of 128
+    (256, 192, None),  # I no multiple of the 128-wide gate/up N block
+  ],
+)
+def test_prefill_config_takes_n_blocks_that_divide_the_shapes(hidden, intermediate, want):
+  assert mosaic_gpu.prefill_config(hidden, intermediate) == want
+
+
+@pytest.mark.parametrize("rows", [64, 88, 184])
+@pytest.mark.parametrize(("hidden", "intermediate"), [(4096, 1408), (384, 256)])
+def test_with_transposed_tiles_keeps_the_n_blocks_and_serves_the_shapes(hidden, intermediate, rows):
+  base = mosaic_gpu.prefill_config(hidden, intermediate)
+  config = mosaic_gpu.with_transposed_tiles(base, rows)
+  assert (config.block_m, config.transposed_tiles, config.warpgroup_split) == (rows, True, "n")
+  assert (config.block_n_gate_up, config.block_n_down, config.block_k, config.memory_parts) == (
+    base.block_n_gate_up,
+    base.block_n_down,
+    base.block_k,
+    base.memory_parts,
+  )
+  shapes = [
+    ((1024, hidden), jnp.bfloat16),
+    ((1024, 8), jnp.int32),
+    ((1024, 8), jnp.float32),
+    ((128, hidden, intermediate), jnp.bfloat16),
+    ((128, hidden, intermediate), jnp.bfloat16),
+    ((128, intermediate, hidden), jnp.bfloat16),
+  ]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+  assert mosaic_gpu.unsupported_reason(*args, config=config) is None
+
+
+@pytest.mark.parametrize(
   ("num_tokens", "top_k", "num_experts", "block_m"),
   [(50, 8, 128, 8), (300, 8, 128, 24), (2048, 8, 128, 144), (2048, 8, 160, 128), (7, 2, 2, 8)],
 )
