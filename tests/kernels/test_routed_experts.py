@@ -338,15 +338,15 @@ def test_tuning_config_is_validated():
   ("num_tokens", "num_experts", "hidden", "intermediate", "two_warpgroup_tiles"),
   [
     (384, 128, 4096, 1408, False),  # 24 routes per expert: decode/verify tiles
-    (1023, 128, 4096, 1408, False),  # just under 64 routes per expert
-    (1024, 128, 4096, 1408, True),
-    (1279, 160, 5120, 1536, False),  # GLM-4.5, just under 64 routes per expert
-    (1280, 160, 5120, 1536, True),
+    (895, 128, 4096, 1408, False),  # just under 56 routes per expert
+    (896, 128, 4096, 1408, True),
+    (1119, 160, 5120, 1536, False),  # GLM-4.5, just under 56 routes per expert
+    (1120, 160, 5120, 1536, True),
     (8192, 8, 256, 192, False),  # I = 192 is no multiple of the 128-wide N block
     (8192, 8, 384, 256, True),  # H = 384 is no multiple of 256: down N blocks of 128
   ],
 )
-def test_default_config_takes_128_row_tiles_from_64_routes_per_expert(
+def test_default_config_takes_128_row_tiles_from_56_routes_per_expert(
   num_tokens, num_experts, hidden, intermediate, two_warpgroup_tiles
 ):
   config = mosaic_gpu.default_config(num_tokens, 8, num_experts, hidden, intermediate)
@@ -728,7 +728,7 @@ def glm_inputs(shape, num_tokens, skewed=False):
     ("glm45_air", 16, False),
     ("glm45_air", 64, False),
     ("glm45_air", 384, False),
-    ("glm45_air", 1024, False),  # 64 routes per expert: the prefill config's first size
+    ("glm45_air", 896, False),  # 56 routes per expert: the prefill config's first size
     ("glm45_air", 2048, True),
     ("glm45", 1, False),
     ("glm45", 64, False),

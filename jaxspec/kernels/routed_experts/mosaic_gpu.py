@@ -99,10 +99,10 @@ MAX_ACC_ELEMENTS = 128 * 128
 # kernel of tiles of up to this many rows (gate/up: 2 x 64 x 184 accumulators; H100, jax 0.11.2).
 MAX_TRANSPOSED_ROWS = 184
 MAX_ACC_ELEMENTS_TRANSPOSED = MAX_TRANSPOSED_ROWS * 128
-# Mean routes per expert from which default_config takes 128-row two-warpgroup tiles: on the
-# H200 both GLM shapes crossed over between 56 (0.96-0.98x) and 64 (1.11-1.17x) routes per
-# expert (default_config's docstring).
-PREFILL_ROUTES_PER_EXPERT = 64
+# Mean routes per expert from which default_config takes 128-row two-warpgroup tiles: with the
+# current prefill config both GLM shapes cross over between 48 and 56 routes per expert on the
+# H200 and the H100 (default_config's docstring).
+PREFILL_ROUTES_PER_EXPERT = 56
 # Routes up to which plan_routes compares all pairs instead of counting by blocks (128 tokens at
 # top-8: decode batches and short verify steps): its [rows, T * k] comparison grows quadratically.
 COMPARE_PLAN_MAX_ROUTES = 1024
@@ -298,13 +298,14 @@ def default_config(
   4694 -> 4570 / 6966 -> 6565 us at 8192, 1247 -> 1235 / 2028 -> 1987 us at 1024. In
   between, the one-warpgroup config's time over the prefill config's (H200, both timed in one
   process; GLM-4.5-Air / GLM-4.5) was 0.94 / 0.94 at 48 routes per expert, 0.96 / 0.98 at 56,
-  1.11 / 1.17 at 64, 1.25 / 1.29 at 72 and 1.31 / 1.32 at 88: hence the threshold at 64
-  (``benchmarks/NOTES_routed_experts.md``; ``benchmarks/bench_moe.py --crossover`` re-times
-  both choices). Re-timed with the 256-wide down blocks: 0.96 / 0.98 at 48, 1.01 / 1.02 at 56
-  (within the spread between runs), 1.14 / 1.19 at 64. With the down output in bf16 a 4-deep
-  ring fits beside the 128-column pieces too, but it was no faster (one process, GLM-4.5-Air /
-  GLM-4.5, 3 -> 4 stages): 1556 -> 1612 / 2029 -> 2078 us at 2048 tokens, 4391 -> 4255 / 6357
-  -> 6481 us at 8192.
+  1.11 / 1.17 at 64, 1.25 / 1.29 at 72 and 1.31 / 1.32 at 88
+  (``benchmarks/NOTES_routed_experts.md``; ``benchmarks/bench_moe.py --crossover`` re-times both
+  choices). Re-timed with the 256-wide down blocks: 0.96 / 0.98 at 48, 1.01 / 1.02 at 56, 1.14 /
+  1.19 at 64; on an H100, two runs: 0.99 / 0.98-0.99 at 48, 1.03 / 1.05 at 56, 1.19 /
+  1.23-1.24 at 64. Hence the threshold at 56. With the down output in bf16 a 4-deep ring fits
+  beside the 128-column pieces too, but it was no faster (one process, GLM-4.5-Air / GLM-4.5, 3
+  -> 4 stages): 1556 -> 1612 / 2029 -> 2078 us at 2048 tokens, 4391 -> 4255 / 6357 -> 6481 us at
+  8192.
 
   At prefill sizes the tiles then take the multiple of 8 rows from 128 to
   ``MAX_TRANSPOSED_ROWS`` that pads the fewest rows under random routing
