@@ -1,0 +1,28 @@
+"""The MoE benchmark's markdown report, rendered from a committed GPU run's results."""
+
+import json
+import pathlib
+
+from benchmarks.bench_moe import render_markdown
+
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def test_breakdown_counts_the_xla_kernels_beside_every_memory_part():
+  # At 8192 tokens the call runs four memory parts: 4 gate/up and 4 down kernels of ours and 34
+  # XLA kernels, 42 in all (an H100 run's CUPTI list).
+  results = json.loads((RESULTS / "moe_h100_2026-12-07_version_10.json").read_text())
+  (entry,) = [e for e in results["breakdown"] if e["tokens"] == 8192]
+  names = [name for name, _ in entry["kernels_us"]]
+  assert len(names) == 42
+  assert sum(name.startswith("routed_experts_gate_up") for name in names) == 4
+  assert sum(name.startswith("routed_experts_down") for name in names) == 4
+
+  text = render_markdown(results["meta"], [], [entry], [])
+  (row,) = [line for line in text.splitlines() if line.startswith("| GLM-4.5-Air | 8192 |")]
+  cells = [cell.strip() for cell in row.strip("|").split("|")]
+  gate_up, down, xla, total = float(cells[2]), float(cells[3]), cells[4], float(cells[5])
+  xla_us, count = xla.split(" ")
+  assert count == "(34)"
+  assert abs(gate_up + down + float(xla_us) - total) <= 1.5  # each cell rounded to 1 us
+  assert total == round(sum(t for _, t in entry["kernels_us"]))
