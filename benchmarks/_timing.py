@@ -26,7 +26,11 @@ side) and reports the median over ``reps`` of the time per call.
 
 ``kernel_seconds`` sums, from CUPTI, the device time of the kernels one call launches, for
 jax and torch alike: the time the device is busy, without the gaps between kernels or the
-host's launch path, so a comparison of small calls that the host paces.
+host's launch path, so a comparison of small calls that the host paces. Each kernel counts at
+its fastest of several calls. ``busy_seconds`` sums every kernel of calls run back to back as
+they ran, for setting beside a wall-clock time of the same calls: where the two differ, the
+device sat idle between kernels; where they agree but exceed ``kernel_seconds``, the kernels
+ran slower in the sequence than at their fastest.
 """
 
 import statistics
@@ -100,20 +104,11 @@ def kernel_seconds(call, block, iterations: int = 10) -> tuple[float, list[tuple
   ``call`` runs once outside the profile, then ``iterations`` times back to back under CUPTI
   (``block`` waits for the list of their outputs); each kernel's fastest of the calls is
   summed. Unlike ``profiler.measure``, which takes jax functions only, this profiles whatever
-  ``call`` launches (FlashInfer through torch too): it uses the same CUPTI hooks of jax's Mosaic
-  GPU extension, which record every kernel of the process. Returns (seconds, the kernels of a
-  call in launch order as ``(name, fastest seconds)``). Raises ``RuntimeError`` where the calls
-  launch no kernel or different numbers of them.
+  ``call`` launches (FlashInfer through torch too; ``_cupti_timings``). Returns (seconds, the
+  kernels of a call in launch order as ``(name, fastest seconds)``). Raises ``RuntimeError``
+  where the calls launch no kernel or different numbers of them.
   """
-  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # profiler.measure's CUPTI hooks
-
-  extension = mosaic_gpu_lib._mosaic_gpu_ext
-  block([call()])
-  extension._cupti_init()
-  try:
-    block([call() for _ in range(iterations)])
-  finally:
-    timings = extension._cupti_get_timings(True)  # [(kernel name, ms)] in launch order
+  timings = _cupti_timings(call, block, iterations)
   per_call, rest = divmod(len(timings), iterations)
   if per_call == 0 or rest:
     raise RuntimeError(f"{len(timings)} kernels in {iterations} calls: not the same per call")
@@ -121,6 +116,32 @@ def kernel_seconds(call, block, iterations: int = 10) -> tuple[float, list[tuple
     (timings[k][0], min(ms for _, ms in timings[k::per_call]) / 1e3) for k in range(per_call)
   ]
   return sum(seconds for _, seconds in kernels), kernels
+
+
+def busy_seconds(call, block, iterations: int = 2) -> float:
+  """Device seconds of all the kernels that ``iterations`` back-to-back ``call()``s launch,
+  per call, each kernel as long as it ran (no fastest-of). ``call`` runs once outside the
+  profile. Raises ``RuntimeError`` where the calls launch no kernel."""
+  timings = _cupti_timings(call, block, iterations)
+  if not timings:
+    raise RuntimeError(f"no kernel in {iterations} calls")
+  return sum(ms for _, ms in timings) / 1e3 / iterations
+
+
+def _cupti_timings(call, block, iterations: int) -> list[tuple[str, float]]:
+  """(kernel name, ms) of every kernel that ``iterations`` back-to-back ``call()``s launch, in
+  launch order, from the CUPTI hooks of jax's Mosaic GPU extension (``profiler.measure``'s),
+  which record every kernel of the process; ``block`` waits for the list of the outputs."""
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+  extension = mosaic_gpu_lib._mosaic_gpu_ext
+  block([call()])
+  extension._cupti_init()
+  try:
+    block([call() for _ in range(iterations)])
+  finally:
+    timings = extension._cupti_get_timings(True)
+  return timings
 
 
 class _ThreadedStep(jax.stages.Wrapped):

@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks._timing import time_jax, time_torch  # noqa: E402
+from benchmarks._timing import busy_seconds, time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.routed_experts import mosaic_gpu  # noqa: E402
 from jaxspec.kernels.routed_experts.api import routed_experts  # noqa: E402
 from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig  # noqa: E402
@@ -241,16 +241,23 @@ def peak_memory(fn, variant, layer):
   return {"total": report.peak, "temp": report.temporaries}
 
 
-def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
+def timed_calls(layer, num_tokens, ceilings) -> int:
+  """Calls in a timed program of ``num_tokens`` tokens: one call's time decides it, estimated
+  from the limit."""
   num_experts, hidden, intermediate = layer.w_gate.shape
-  # One call's time decides how many calls a timed program holds; estimated from the limit.
   touched_estimate = num_experts * (1 - (1 - TOP_K / num_experts) ** num_tokens)
   flops = 2 * num_tokens * TOP_K * 3 * hidden * intermediate
   limit_s = max(
     touched_estimate * layer.expert_bytes / (ceilings["read_tbps"] * 1e12),
     flops / (ceilings["matmul_tflops"] * 1e12),
   )
-  count = 1 if smoke else calls_per_program(limit_s, 16)
+  return calls_per_program(limit_s, 16)
+
+
+def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
+  num_experts, hidden, intermediate = layer.w_gate.shape
+  flops = 2 * num_tokens * TOP_K * 3 * hidden * intermediate
+  count = 1 if smoke else timed_calls(layer, num_tokens, ceilings)
   variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
   touched = np.mean([len(np.unique(np.asarray(v[1]))) for v in variants])
   memory_s = touched * layer.expert_bytes / (ceilings["read_tbps"] * 1e12)
@@ -441,15 +448,22 @@ def crossover(rng, layer, tuning, save, smoke=False):
     save()
 
 
-def breakdown(rng, layer, token_counts, breakdowns, save):
+def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
   """CUPTI time of every GPU kernel of one call of ours (the plan's XLA kernels, the two
-  Mosaic GPU kernels, the combine), fastest of five profiled calls, kernel by kernel."""
+  Mosaic GPU kernels, the combine), fastest of five profiled calls, kernel by kernel; and the
+  sum of all the kernels, as they ran, of two back-to-back launches of a program of as many
+  calls as the table's timing runs (``busy_seconds``), per call: beside the table's time it
+  tells idle time between kernels from kernels that ran slower there than at their fastest."""
   from jax.experimental.mosaic.gpu import profiler
 
   num_experts, hidden, _ = layer.w_gate.shape
-  call = jax.jit(jax_contender("pallas"))
+  fn = jax_contender("pallas")
+  call = jax.jit(fn)
+  program = jax.jit(lambda variants, *weights: [fn(v, *weights) for v in variants])
   for num_tokens in token_counts:
-    (variant,) = fresh_inputs(rng, num_tokens, num_experts, hidden, 1)
+    count = timed_calls(layer, num_tokens, ceilings)
+    variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
+    variant = variants[0]
     entry = {"shape": layer.name, "tokens": num_tokens}
     try:
       jax.block_until_ready(call(variant, *layer.weights))
@@ -463,6 +477,10 @@ def breakdown(rng, layer, token_counts, breakdowns, save):
             kernel[1] = min(kernel[1], ms * 1e3)
         # A call with other kernels (a one-off copy, say) is left out of the minimum.
       entry["kernels_us"] = kernels
+      busy = busy_seconds(
+        lambda variants=variants: program(variants, *layer.weights), jax.block_until_ready
+      )
+      entry["timed_program"] = {"calls": count, "kernels_us_per_call": busy / count * 1e6}
     except Exception as error:
       entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
     print("breakdown", entry, flush=True)
@@ -565,7 +583,7 @@ def main():
       del layers[name]  # free its 7.5 GB before the breakdown and the sweep
 
   if not args.smoke and not args.tune_only and "GLM-4.5-Air" in layers:
-    breakdown(rng, layers["GLM-4.5-Air"], BREAKDOWN_TOKENS, breakdowns, save)
+    breakdown(rng, layers["GLM-4.5-Air"], BREAKDOWN_TOKENS, ceilings, breakdowns, save)
   if args.tune and args.smoke:
     tune(rng, layers["smoke"], SMOKE_TOKENS[:1], tuning, save, smoke=True)
   elif args.tune:
@@ -648,9 +666,15 @@ def render_markdown(meta, rows, breakdowns, tuning):
       "",
       "## Where the time goes (CUPTI kernel times of one call of ours)",
       "",
-      "| shape | tokens | gate/up kernel us | down kernel us | XLA kernels us (count) | sum us |",
-      "| --- | --- | --- | --- | --- | --- |",
+      "Each kernel at its fastest of five calls; then all the kernels of the timed program (as "
+      "many calls as the table's timing, launched twice back to back) as they ran, per call, "
+      "beside the table's time: a table time above that sum is idle time between kernels.",
+      "",
+      "| shape | tokens | gate/up kernel us | down kernel us | XLA kernels us (count) | sum us "
+      "| kernels in the timed program, us per call | table's time us |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    table_us = {(row["shape"], row["tokens"]): us(row.get("ours", {})) for row in rows}
     for entry in timed:
       kernels = entry["kernels_us"]
       gate_up = sum(t for name, t in kernels if name.startswith("routed_experts_gate_up"))
@@ -658,9 +682,12 @@ def render_markdown(meta, rows, breakdowns, tuning):
       total = sum(t for _, t in kernels)
       # With memory parts a call launches each of our kernels once per part.
       xla = [name for name, _ in kernels if not name.startswith("routed_experts_")]
+      program = entry.get("timed_program")
+      in_program = f"{program['kernels_us_per_call']:.0f}" if program else "n/a"
       lines.append(
         f"| {entry['shape']} | {entry['tokens']} | {gate_up:.0f} | {down:.0f} "
-        f"| {total - gate_up - down:.0f} ({len(xla)}) | {total:.0f} |"
+        f"| {total - gate_up - down:.0f} ({len(xla)}) | {total:.0f} | {in_program} "
+        f"| {table_us.get((entry['shape'], entry['tokens']), 'n/a')} |"
       )
   groups = {}  # (shape, tokens, routes per expert) -> {choice: entry}, from --crossover
   for entry in tuning:
