@@ -241,22 +241,27 @@ def peak_memory(fn, variant, layer):
   return {"total": report.peak, "temp": report.temporaries}
 
 
+def layer_flops(layer, num_tokens) -> int:
+  """FLOPs of one call: three projections of every route."""
+  _, hidden, intermediate = layer.w_gate.shape
+  return 2 * num_tokens * TOP_K * 3 * hidden * intermediate
+
+
 def timed_calls(layer, num_tokens, ceilings) -> int:
   """Calls in a timed program of ``num_tokens`` tokens: one call's time decides it, estimated
   from the limit."""
-  num_experts, hidden, intermediate = layer.w_gate.shape
+  num_experts = layer.w_gate.shape[0]
   touched_estimate = num_experts * (1 - (1 - TOP_K / num_experts) ** num_tokens)
-  flops = 2 * num_tokens * TOP_K * 3 * hidden * intermediate
   limit_s = max(
     touched_estimate * layer.expert_bytes / (ceilings["read_tbps"] * 1e12),
-    flops / (ceilings["matmul_tflops"] * 1e12),
+    layer_flops(layer, num_tokens) / (ceilings["matmul_tflops"] * 1e12),
   )
   return calls_per_program(limit_s, 16)
 
 
 def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
-  num_experts, hidden, intermediate = layer.w_gate.shape
-  flops = 2 * num_tokens * TOP_K * 3 * hidden * intermediate
+  num_experts, hidden, _ = layer.w_gate.shape
+  flops = layer_flops(layer, num_tokens)
   count = 1 if smoke else timed_calls(layer, num_tokens, ceilings)
   variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
   touched = np.mean([len(np.unique(np.asarray(v[1]))) for v in variants])

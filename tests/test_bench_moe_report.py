@@ -3,15 +3,22 @@
 import json
 import pathlib
 
+import pytest
+
 from benchmarks.bench_moe import render_markdown
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def test_breakdown_counts_the_xla_kernels_beside_every_memory_part():
+@pytest.fixture
+def results():
+  """An H100 run of version 10 whose breakdown has four memory parts at 8192 tokens."""
+  return json.loads((RESULTS / "moe_h100_2026-12-07_version_10.json").read_text())
+
+
+def test_breakdown_counts_the_xla_kernels_beside_every_memory_part(results):
   # At 8192 tokens the call runs four memory parts: 4 gate/up and 4 down kernels of ours and 34
   # XLA kernels, 42 in all (an H100 run's CUPTI list).
-  results = json.loads((RESULTS / "moe_h100_2026-12-07_version_10.json").read_text())
   (entry,) = [e for e in results["breakdown"] if e["tokens"] == 8192]
   names = [name for name, _ in entry["kernels_us"]]
   assert len(names) == 42
@@ -26,8 +33,7 @@ def test_breakdown_counts_the_xla_kernels_beside_every_memory_part():
   assert total == round(sum(t for _, t in entry["kernels_us"]))
 
 
-def test_breakdown_sets_the_timed_programs_kernels_beside_the_tables_time():
-  results = json.loads((RESULTS / "moe_h100_2026-12-07_version_10.json").read_text())
+def test_breakdown_sets_the_timed_programs_kernels_beside_the_tables_time(results):
   (entry,) = [e for e in results["breakdown"] if e["tokens"] == 8192]
   (row,) = [r for r in results["rows"] if (r["shape"], r["tokens"]) == ("GLM-4.5-Air", 8192)]
   # That run predates the timed program's profile: its cell says so.
