@@ -27,10 +27,11 @@ device-side tile table of tokamax's Mosaic GPU ragged_dot):
 
 ``xs`` and ``y`` are ``T * k`` rows of H each (0.54 GB in bf16 at GLM-4.5-Air's shapes and 8192
 tokens) and each is alive beside ``act``. ``TuningConfig.memory_parts`` bounds them: step 2 runs
-over parts of the tile table, each part gathering only its own slice of ``xs`` (rows follow the
-expert order, so a part re-reads only the weights of the expert at its boundary) and storing
-into the same ``act``; steps 3 and 4 run over column ranges of H (each range reads its own
-columns of ``w_down``; every output element is the same sum in the same order).
+over equal parts of the buffer rows, each part gathering only its own slice of ``xs`` (rows
+follow the expert order, so a part re-reads only the weights of the expert at its boundary) and
+storing into the same ``act``; steps 3 and 4 run over column ranges of H (each range reads its
+own columns of ``w_down`` and writes its columns of ``out`` in place; every output element is
+the same sum in the same order).
 
 Both kernels are persistent (the construct of jax's ``ragged_dot_mgpu``/``hopper_matmul_mgpu``):
 one block per SM walks the (tile, N block) work items with ``plgpu.nd_loop`` (item ``i`` on SM
@@ -113,8 +114,9 @@ COUNT_BLOCK_ROUTES = 256
 # Routes per memory part from which default_config splits the layer (TuningConfig.memory_parts):
 # the routed-row buffers (xs, y) then hold at most this many rows of H at a time. On the H200 at
 # GLM-4.5-Air's shapes and 8192 tokens (65536 routes) 1 / 2 / 4 parts took 4386 / 4544 / 4741
-# us with a peak of 5.30 / 5.09 / 4.94 GB; at 2048 tokens (16384 routes, one part) 2 parts cost
-# 10% and saved no memory (4.65 GB either way).
+# us with a peak of 5.30 / 5.09 / 4.94 GB (4 parts now 4.89: parts cut by rows, combine in
+# place); at 2048 tokens (16384 routes, one part) 2 parts cost 10% and saved no memory (4.65 GB
+# either way).
 MAX_ROUTES_PER_PART = 16384
 
 
@@ -317,7 +319,7 @@ def default_config(
   From ``MAX_ROUTES_PER_PART`` routes on, the prefill configs run in ``memory_parts`` (so the
   routed-row buffers stay under that many rows of H at any chunk size): at GLM-4.5-Air's shapes
   and 8192 tokens 4 parts cost 8% of the time and keep the layer's peak under 4 x its
-  activations plus its weights (5.30 -> 4.94 GB; ``memory_parts=1`` buys the time back).
+  activations plus its weights (5.30 -> 4.89 GB; ``memory_parts=1`` buys the time back).
   """
   config = prefill_config(hidden, intermediate)
   if config is None or num_tokens * top_k < PREFILL_ROUTES_PER_EXPERT * num_experts:
@@ -855,39 +857,56 @@ def _gather_rows(
 
 def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, interpret, padding):
   """``act [rows + block_m, I]``: ``silu(xs @ w_gate) * (xs @ w_up)`` for every tile's rows,
-  the tile table run in ``config.memory_parts`` parts, each with its own slice of ``xs``.
+  in ``config.memory_parts`` parts of the buffer rows, each with its own slice of ``xs``.
 
-  A part's tiles start at most ``block_m`` rows apart (each expert's span is at most its tiles'
-  rows), so its rows lie within ``per_part * block_m`` rows of its first tile's, and within the
-  ``rows + block_m`` of the whole buffer (the tail every tile may read into): ``xs_rows`` bounds
-  both. Rows that belong to no valid route (that tail, the spans' padding) hold ``padding``.
-  The parts after the first store into the first's array, in place (a ``jax.Ref`` operand).
+  Part ``p`` owns the ``part_rows`` buffer rows from ``p * part_rows`` (a multiple of 8) and runs
+  the tiles that start there; a tile reads ``block_m`` rows from its start, so the part's slice
+  of ``xs`` holds ``part_rows + block_m`` rows, gathered from its static slice of the routes.
+  Used tiles start on distinct multiples of 8 in ascending order (``plan_routes``), so a part's
+  tiles are a run of the table found on the device, at most ``part_rows / 8`` of them. Rows that
+  belong to no valid route (the tail past ``rows``, the spans' padding) hold ``padding``. The
+  parts after the first store into the first's array, in place (a ``jax.Ref`` operand).
+
+  Cutting by rows, not by table slots, gathers each row once plus ``block_m`` per part: a slot
+  may be an expert's short last tile or unused, so equal runs of slots gathered 82688 rows for
+  the 65536 routes of GLM-4.5-Air's 8192 tokens (now 66976), and the last part held few tiles.
   """
   block_m, parts = config.block_m, config.memory_parts
-  slots = plan.table.shape[1]
-  per_part = -(-slots // parts)
-  xs_rows = min(per_part * block_m, rows + block_m)
-  route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((xs_rows,), -1, jnp.int32)])
+  part_rows = -(-rows // (parts * ROW_ALIGN)) * ROW_ALIGN
+  xs_rows = part_rows + block_m
+  padded_rows = parts * part_rows + block_m - rows
+  route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((padded_rows,), -1, jnp.int32)])
   x = x.astype(w_gate.dtype)  # once for all parts
+  if parts == 1:  # the whole table from row 0: no operation added to the one-pass program
+    runs = [(plan.num_tiles, plan.table)]
+  else:
+    slots = plan.table.shape[1]
+    used = jnp.arange(slots) < plan.num_tiles  # [slots]
+    bounds = jnp.arange(parts + 1, dtype=jnp.int32) * part_rows
+    before = used[None, :] & (plan.table[1][None, :] < bounds[:, None])  # [parts + 1, slots]
+    first_tile = jnp.sum(before, axis=1, dtype=jnp.int32)  # [parts + 1]
+    run = min(slots, part_rows // ROW_ALIGN)
+    table = jnp.concatenate([plan.table, jnp.zeros((3, run), jnp.int32)], axis=1)  # no clamping
+    runs = [
+      (
+        first_tile[p + 1 : p + 2] - first_tile[p : p + 1],
+        lax.dynamic_slice(table, (0, first_tile[p]), (3, run)),
+      )
+      for p in range(parts)
+    ]
   act = None
-  for first in range(0, slots, per_part):
-    if parts == 1:  # the whole table from row 0: no operation added to the one-pass program
-      lhs_row, num_part_tiles = jnp.zeros(1, jnp.int32), plan.num_tiles
-      part_routes = route_of_row[:xs_rows]
-    else:  # from the buffer row of the part's first tile (clamped for a part with no used tile)
-      lhs_row = jnp.minimum(plan.table[1, first : first + 1], rows)
-      num_part_tiles = jnp.clip(plan.num_tiles - first, 0, per_part)
-      if act is not None:  # the previous part's kernel first: one slice of xs alive at a time
-        act, lhs_row = lax.optimization_barrier((act, lhs_row))
-      part_routes = lax.dynamic_slice(route_of_row, (lhs_row[0],), (xs_rows,))
-    xs = _gather_rows(x, part_routes, top_k, padding)
+  for part, (num_part_tiles, part_table) in enumerate(runs):
+    first_row = part * part_rows
+    part_routes = route_of_row[first_row : first_row + xs_rows]
+    if act is not None:  # the previous part's kernel first: one slice of xs alive at a time
+      act, part_routes = lax.optimization_barrier((act, part_routes))
     gate_up = functools.partial(
       _grouped_matmul,
-      xs,  # [xs_rows, H]
+      _gather_rows(x, part_routes, top_k, padding),  # [xs_rows, H]
       (w_gate, w_up),
       num_part_tiles,
-      plan.table[:, first : first + per_part],
-      lhs_row,
+      part_table,
+      jnp.full((1,), first_row, jnp.int32),
       out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
       out_dtype=w_gate.dtype,
       epilogue=_swiglu,
@@ -910,13 +929,19 @@ def _down_and_combine_in_ranges(
 ):
   """``out [T, H]``: each route's ``act @ w_down`` (``y``, rounded to the weights' dtype) summed
   in float32 over the token's routes, then rounded to ``out_dtype``; in ``config.memory_parts``
-  column ranges of H, so that one range of ``y [rows, H / parts]`` is alive at a time."""
-  hidden = w_down.shape[2]
+  column ranges of H, so that one range of ``y [rows, H / parts]`` is alive at a time.
+
+  The ranges' combines write ``out`` itself, not range arrays to concatenate (that read and
+  wrote all of ``out`` once more: 81 us of 4.3 ms at GLM-4.5-Air's 8192 tokens on an H100): XLA
+  fuses the first range's combine with the zeros of the other columns into one pad fusion and
+  each later one into an in-place dynamic-update-slice fusion.
+  """
+  num_tokens, hidden = weights.shape[0], w_down.shape[2]
   width = hidden // config.memory_parts
-  combined = []
+  out = None
   for first_column in range(0, hidden, width):
-    if combined:  # the previous range's combine first
-      act, _ = lax.optimization_barrier((act, combined[-1]))
+    if out is not None:  # the previous range's combine first
+      act, out = lax.optimization_barrier((act, out))
     y = _grouped_matmul(
       act,
       (w_down,),
@@ -932,8 +957,13 @@ def _down_and_combine_in_ranges(
       name="routed_experts_down",
       interpret=interpret,
     )  # [rows, width]
-    combined.append(combine_routes(y, plan.position, plan.valid, weights).astype(out_dtype))
-  return combined[0] if len(combined) == 1 else jnp.concatenate(combined, axis=1)
+    combined = combine_routes(y, plan.position, plan.valid, weights).astype(out_dtype)
+    if width == hidden:
+      return combined
+    if out is None:
+      out = jnp.zeros((num_tokens, hidden), out_dtype)
+    out = lax.dynamic_update_slice(out, combined, (0, first_column))
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "padding_value"))
