@@ -28,12 +28,19 @@ side) and reports the median over ``reps`` of the time per call.
 jax and torch alike: the time the device is busy, without the gaps between kernels or the
 host's launch path, so a comparison of small calls that the host paces. Each kernel counts at
 its fastest of several calls. ``busy_seconds`` sums every kernel of calls run back to back as
-they ran, for setting beside a wall-clock time of the same calls: where the two differ, the
-device sat idle between kernels; where they agree but exceed ``kernel_seconds``, the kernels
-ran slower in the sequence than at their fastest.
+they ran, for setting beside a wall-clock time of as many of the same calls: where the two
+differ, the device sat idle between kernels; where they agree but exceed ``kernel_seconds``,
+the kernels ran slower in the sequence than at their fastest. A sequence as long as the timing
+matters: under a sustained load a card may lower its clock to stay within its power limit (an
+H100 SXM at GLM-4.5-Air's 8192-token MoE layer: 700 W, the software power cap engaged, SM
+clocks between 1080 and 1980 MHz), which a short burst does not show. ``ClockLog`` samples the
+SM clock, the power draw and the throttle reasons meanwhile.
 """
 
+import dataclasses
+import shutil
 import statistics
+import subprocess
 import time
 
 import jax
@@ -210,3 +217,82 @@ def time_torch(fn, inner: int = 20, reps: int = 15, warmup: int = 3) -> float:
     torch.cuda.synchronize()
     samples.append(start.elapsed_time(stop) / 1e3 / inner)
   return statistics.median(samples)
+
+
+# Bit of nvidia-smi's clocks_throttle_reasons.active: the clock is lowered to hold the power
+# limit (NVML's nvmlClocksThrottleReasonSwPowerCap).
+SW_POWER_CAP = 0x4
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockSummary:
+  """The samples of a ``ClockLog``: SM clock (MHz) mean, min and max, mean power draw (W), and
+  the share of samples with the software power cap engaged."""
+
+  samples: int
+  sm_mhz_mean: float
+  sm_mhz_min: float
+  sm_mhz_max: float
+  power_w_mean: float
+  power_capped_share: float
+
+
+def summarize_clock_samples(lines: list[str]) -> ClockSummary | None:
+  """``ClockSummary`` of ``nvidia-smi --query-gpu=clocks.sm,power.draw,
+  clocks_throttle_reasons.active --format=csv,noheader,nounits`` lines ("1980, 647.95,
+  0x0000000000000004"); lines that do not parse (a "[N/A]" field, a message) are skipped.
+  None where none parses."""
+  parsed = []
+  for line in lines:
+    fields = [field.strip() for field in line.split(",")]
+    try:
+      parsed.append((float(fields[0]), float(fields[1]), int(fields[2], 16)))
+    except (IndexError, ValueError):
+      continue
+  if not parsed:
+    return None
+  clocks = [clock for clock, _, _ in parsed]
+  return ClockSummary(
+    samples=len(parsed),
+    sm_mhz_mean=statistics.mean(clocks),
+    sm_mhz_min=min(clocks),
+    sm_mhz_max=max(clocks),
+    power_w_mean=statistics.mean(power for _, power, _ in parsed),
+    power_capped_share=sum(bool(reasons & SW_POWER_CAP) for _, _, reasons in parsed) / len(parsed),
+  )
+
+
+class ClockLog:
+  """Samples the first GPU's SM clock, power draw and throttle reasons with ``nvidia-smi`` every
+  ``period_ms`` while its ``with`` block runs; ``summary()`` afterwards gives a
+  ``ClockSummary``, or None where ``nvidia-smi`` is missing or gave no sample (the block runs
+  all the same)."""
+
+  QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+  def __init__(self, period_ms: int = 50):
+    self.period_ms = period_ms
+    self._process = None
+    self._lines: list[str] = []
+
+  def __enter__(self):
+    executable = shutil.which("nvidia-smi")
+    if executable is not None:
+      self._process = subprocess.Popen(
+        [executable, "--id=0", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"]
+        + ["-lms", str(self.period_ms)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+      )
+    return self
+
+  def __exit__(self, *exc_info):
+    if self._process is not None:
+      self._process.terminate()
+      output, _ = self._process.communicate(timeout=10)
+      self._lines = output.splitlines()
+    return False
+
+  def summary(self) -> ClockSummary | None:
+    return summarize_clock_samples(self._lines)

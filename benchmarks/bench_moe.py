@@ -46,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks._timing import busy_seconds, time_jax, time_torch  # noqa: E402
+from benchmarks._timing import ClockLog, busy_seconds, time_jax, time_torch  # noqa: E402
 from jaxspec.kernels.routed_experts import mosaic_gpu  # noqa: E402
 from jaxspec.kernels.routed_experts.api import routed_experts  # noqa: E402
 from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig  # noqa: E402
@@ -57,6 +57,10 @@ TOKENS = (1, 4, 16, 64, 384, 2048, 8192)
 QUICK_TOKENS = (1, 64, 384, 2048, 8192)
 TUNE_TOKENS = (1, 16, 64, 384, 2048, 8192)
 QUICK_TUNE_TOKENS = (1, 64, 384, 8192)
+# time_jax's repetitions and warm-up launches for the table's rows; each repetition launches the
+# timed program once, then twice back to back.
+TIMING_REPS, TIMING_WARMUP = 15, 2
+TIMING_LAUNCHES = TIMING_WARMUP + 3 * TIMING_REPS
 BREAKDOWN_TOKENS = (1, 64, 2048, 8192)
 # Mean routes per expert of the --crossover sweep, around default_config's threshold.
 CROSSOVER_ROUTES_PER_EXPERT = (40, 48, 56, 64, 72, 80, 88)
@@ -275,8 +279,8 @@ def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
     "limit_bound": "memory" if memory_s >= compute_s else "compute",
     "calls_per_program": count,
   }
-  reps = 1 if smoke else 15
-  warmup = 0 if smoke else 2
+  reps = 1 if smoke else TIMING_REPS
+  warmup = 0 if smoke else TIMING_WARMUP
   for name in contenders:
     started = time.perf_counter()
     try:
@@ -456,9 +460,11 @@ def crossover(rng, layer, tuning, save, smoke=False):
 def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
   """CUPTI time of every GPU kernel of one call of ours (the plan's XLA kernels, the two
   Mosaic GPU kernels, the combine), fastest of five profiled calls, kernel by kernel; and the
-  sum of all the kernels, as they ran, of two back-to-back launches of a program of as many
-  calls as the table's timing runs (``busy_seconds``), per call: beside the table's time it
-  tells idle time between kernels from kernels that ran slower there than at their fastest."""
+  sum of all the kernels, as they ran, of as many back-to-back launches of the timed program
+  (as many calls as the table's timing runs) as that timing makes (``busy_seconds``), per call,
+  with the SM clock sampled meanwhile (``ClockLog``): beside the table's time it tells idle time
+  between kernels from kernels that ran slower there than at their fastest, and the clock
+  tells whether the card held its clock or lowered it (to stay within its power limit, say)."""
   from jax.experimental.mosaic.gpu import profiler
 
   num_experts, hidden, _ = layer.w_gate.shape
@@ -482,10 +488,19 @@ def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
             kernel[1] = min(kernel[1], ms * 1e3)
         # A call with other kernels (a one-off copy, say) is left out of the minimum.
       entry["kernels_us"] = kernels
-      busy = busy_seconds(
-        lambda variants=variants: program(variants, *layer.weights), jax.block_until_ready
-      )
-      entry["timed_program"] = {"calls": count, "kernels_us_per_call": busy / count * 1e6}
+      with ClockLog() as clocks:
+        busy = busy_seconds(
+          lambda variants=variants: program(variants, *layer.weights),
+          jax.block_until_ready,
+          iterations=TIMING_LAUNCHES,
+        )
+      summary = clocks.summary()
+      entry["timed_program"] = {
+        "calls": count,
+        "launches": TIMING_LAUNCHES,
+        "kernels_us_per_call": busy / count * 1e6,
+        "sm_clock": None if summary is None else dataclasses.asdict(summary),
+      }
     except Exception as error:
       entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
     print("breakdown", entry, flush=True)
@@ -672,12 +687,15 @@ def render_markdown(meta, rows, breakdowns, tuning):
       "## Where the time goes (CUPTI kernel times of one call of ours)",
       "",
       "Each kernel at its fastest of five calls; then all the kernels of the timed program (as "
-      "many calls as the table's timing, launched twice back to back) as they ran, per call, "
-      "beside the table's time: a table time above that sum is idle time between kernels.",
+      "many calls as the table's timing) as they ran in as many back-to-back launches as that "
+      "timing makes, per call, with the SM clock sampled by nvidia-smi meanwhile (mean, range, "
+      "share of samples with the software power cap engaged), beside the table's time: a table "
+      "time above that sum is idle time between kernels; a sum above the first columns' is "
+      "kernels running slower in the long sequence (at a lowered clock, say).",
       "",
       "| shape | tokens | gate/up kernel us | down kernel us | XLA kernels us (count) | sum us "
-      "| kernels in the timed program, us per call | table's time us |",
-      "| --- | --- | --- | --- | --- | --- | --- | --- |",
+      "| kernels in the timed program, us per call | SM clock meanwhile, MHz | table's time us |",
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     table_us = {(row["shape"], row["tokens"]): us(row.get("ours", {})) for row in rows}
     for entry in timed:
@@ -687,12 +705,19 @@ def render_markdown(meta, rows, breakdowns, tuning):
       total = sum(t for _, t in kernels)
       # With memory parts a call launches each of our kernels once per part.
       xla = [name for name, _ in kernels if not name.startswith("routed_experts_")]
-      program = entry.get("timed_program")
+      program = entry.get("timed_program") or {}
       in_program = f"{program['kernels_us_per_call']:.0f}" if program else "n/a"
+      clock = program.get("sm_clock")
+      clock_cell = (
+        f"{clock['sm_mhz_mean']:.0f} ({clock['sm_mhz_min']:.0f}-{clock['sm_mhz_max']:.0f}; "
+        f"{clock['power_capped_share']:.0%} capped)"
+        if clock
+        else "n/a"
+      )
       lines.append(
         f"| {entry['shape']} | {entry['tokens']} | {gate_up:.0f} | {down:.0f} "
         f"| {total - gate_up - down:.0f} ({len(xla)}) | {total:.0f} | {in_program} "
-        f"| {table_us.get((entry['shape'], entry['tokens']), 'n/a')} |"
+        f"| {clock_cell} | {table_us.get((entry['shape'], entry['tokens']), 'n/a')} |"
       )
   groups = {}  # (shape, tokens, routes per expert) -> {choice: entry}, from --crossover
   for entry in tuning:

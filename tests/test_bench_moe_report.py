@@ -1,10 +1,16 @@
-"""The MoE benchmark's markdown report, rendered from a committed GPU run's results."""
+"""The MoE benchmark's markdown report, rendered from a committed GPU run's results, and the
+clock log its breakdown keeps."""
 
+import dataclasses
 import json
 import pathlib
+import shutil
+import signal
+import time
 
 import pytest
 
+from benchmarks._timing import ClockLog, summarize_clock_samples
 from benchmarks.bench_moe import render_markdown
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -33,13 +39,53 @@ def test_breakdown_counts_the_xla_kernels_beside_every_memory_part(results):
   assert total == round(sum(t for _, t in entry["kernels_us"]))
 
 
-def test_breakdown_sets_the_timed_programs_kernels_beside_the_tables_time(results):
+def test_breakdown_sets_the_timed_programs_kernels_and_clock_beside_the_tables_time(results):
   (entry,) = [e for e in results["breakdown"] if e["tokens"] == 8192]
   (row,) = [r for r in results["rows"] if (r["shape"], r["tokens"]) == ("GLM-4.5-Air", 8192)]
-  # That run predates the timed program's profile: its cell says so.
-  assert breakdown_cells(results, entry)[6:] == ["n/a", f"{row['ours']['us']:.0f}"]
-  profiled = {**entry, "timed_program": {"calls": 2, "kernels_us_per_call": 4321.4}}
-  assert breakdown_cells(results, profiled)[6:] == ["4321", f"{row['ours']['us']:.0f}"]
+  table_us = f"{row['ours']['us']:.0f}"
+  # That run predates the timed program's profile and its clock: the cells say so.
+  assert breakdown_cells(results, entry)[6:] == ["n/a", "n/a", table_us]
+  program = {"calls": 2, "launches": 47, "kernels_us_per_call": 4321.4, "sm_clock": None}
+  profiled = {**entry, "timed_program": program}
+  assert breakdown_cells(results, profiled)[6:] == ["4321", "n/a", table_us]
+  clock = summarize_clock_samples(["1980, 640.0, 0x0", "1500, 700.0, 0x4", "1110, 699.0, 0x4"])
+  clocked = {**entry, "timed_program": {**program, "sm_clock": dataclasses.asdict(clock)}}
+  assert breakdown_cells(results, clocked)[6:] == ["4321", "1530 (1110-1980; 67% capped)", table_us]
+
+
+def test_clock_samples_are_summarised_and_unparsable_lines_skipped():
+  lines = [
+    "1980, 647.95, 0x0000000000000000",
+    "[N/A], 700.1, 0x4",
+    "1500, 701.00, 0x000000000000000C",
+  ]
+  lines += ["Failed to initialize NVML", ""]
+  summary = summarize_clock_samples(lines)
+  assert summary.samples == 2
+  assert (summary.sm_mhz_mean, summary.sm_mhz_min, summary.sm_mhz_max) == (1740, 1500, 1980)
+  assert summary.power_w_mean == pytest.approx((647.95 + 701.0) / 2)
+  assert summary.power_capped_share == 0.5  # 0xC: power cap and a hardware slowdown
+  assert summarize_clock_samples(lines[-2:]) is None
+
+
+def test_clock_log_reads_what_nvidia_smi_prints_and_stops_it(tmp_path, monkeypatch):
+  # A stand-in nvidia-smi: prints two samples, then keeps sampling (sleeping) until terminated.
+  fake = tmp_path / "nvidia-smi"
+  samples = "echo '1800, 690.5, 0x4'\necho '1980, 600.0, 0x0'\n"
+  fake.write_text(f"#!/bin/sh\n{samples}exec {shutil.which('sleep')} 60\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with ClockLog() as clocks:
+    time.sleep(0.5)
+  assert clocks.summary() == summarize_clock_samples(["1800, 690.5, 0x4", "1980, 600.0, 0x0"])
+  assert clocks._process.returncode == -signal.SIGTERM  # still sampling, stopped by the block's end
+
+
+def test_clock_log_without_nvidia_smi_gives_no_summary(tmp_path, monkeypatch):
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with ClockLog() as clocks:
+    pass
+  assert clocks.summary() is None
 
 
 def breakdown_cells(results, entry) -> list[str]:
