@@ -162,9 +162,21 @@ CASES = {
       num_sms=3,
     ),
   ),
-  # The tile table in parts (10 slots: 3 + 3 + 3 + 1, the last part unused with this routing)
-  # and the down kernel and the combine over four 64-column ranges of H.
+  # The buffer's 208 rows in four parts of 56 (1, 3, 3 and 1 tiles; the first tile's 64 rows
+  # reach into the second part's) and the down kernel and the combine over four 64-column
+  # ranges of H.
   "memory_parts_4": (75, 2, 8, 256, 128, _skewed_ids, dataclasses.replace(SMALL, memory_parts=4)),
+  # 66 routes to expert 3 (every twelfth token's route dropped) in a buffer of 128 rows cut into
+  # four parts of 32: its tiles start in the first and the third part, the others run none.
+  "memory_parts_4_empty_parts": (
+    72,
+    1,
+    8,
+    256,
+    64,
+    lambda rng, t, k, e: np.where(np.arange(t)[:, None] % 12 == 11, e, 3),
+    dataclasses.replace(SMALL, memory_parts=4),
+  ),
   "two_warpgroups_memory_parts_2": (
     75,
     2,
@@ -186,7 +198,11 @@ def case_inputs(name):
 
 # The cases with the tile table in parts: checked against float64 by the memory-parts test, whose
 # run in parts is this test's run.
-MEMORY_PARTS_CASES = ["memory_parts_4", "two_warpgroups_memory_parts_2"]
+MEMORY_PARTS_CASES = [
+  "memory_parts_4",
+  "memory_parts_4_empty_parts",
+  "two_warpgroups_memory_parts_2",
+]
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name not in MEMORY_PARTS_CASES])
