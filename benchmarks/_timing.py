@@ -290,7 +290,11 @@ class ClockLog:
   def __exit__(self, *exc_info):
     if self._process is not None:
       self._process.terminate()
-      output, _ = self._process.communicate(timeout=10)
+      try:
+        output, _ = self._process.communicate(timeout=10)
+      except subprocess.TimeoutExpired:  # it ignored the terminate: no sampler left behind
+        self._process.kill()
+        output, _ = self._process.communicate()
       self._lines = output.splitlines()
     return False
 

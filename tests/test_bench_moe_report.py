@@ -69,14 +69,17 @@ def test_clock_samples_are_summarised_and_unparsable_lines_skipped():
 
 
 def test_clock_log_reads_what_nvidia_smi_prints_and_stops_it(tmp_path, monkeypatch):
-  # A stand-in nvidia-smi: prints two samples, then keeps sampling (sleeping) until terminated.
-  fake = tmp_path / "nvidia-smi"
+  # A stand-in nvidia-smi: prints two samples, marks that it did, then keeps sampling (sleeping)
+  # until terminated. The block waits for the mark, not for a fixed time.
+  fake, printed = tmp_path / "nvidia-smi", tmp_path / "printed"
   samples = "echo '1800, 690.5, 0x4'\necho '1980, 600.0, 0x0'\n"
-  fake.write_text(f"#!/bin/sh\n{samples}exec {shutil.which('sleep')} 60\n")
+  fake.write_text(f"#!/bin/sh\n{samples}: > {printed}\nexec {shutil.which('sleep')} 60\n")
   fake.chmod(0o755)
   monkeypatch.setenv("PATH", str(tmp_path))
   with ClockLog() as clocks:
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not printed.exists() and time.monotonic() < deadline:
+      time.sleep(0.01)
   assert clocks.summary() == summarize_clock_samples(["1800, 690.5, 0x4", "1980, 600.0, 0x0"])
   assert clocks._process.returncode == -signal.SIGTERM  # still sampling, stopped by the block's end
 
