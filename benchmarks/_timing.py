@@ -38,6 +38,8 @@ SM clock, the power draw and the throttle reasons meanwhile.
 """
 
 import dataclasses
+import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -266,26 +268,52 @@ class ClockLog:
   """Samples the first GPU's SM clock, power draw and throttle reasons with ``nvidia-smi`` every
   ``period_ms`` while its ``with`` block runs; ``summary()`` afterwards gives a
   ``ClockSummary``, or None where ``nvidia-smi`` is missing or gave no sample (the block runs
-  all the same)."""
+  all the same).
+
+  The block starts only once the first sample has been printed (or after ``start_timeout_s``):
+  ``nvidia-smi`` takes a fraction of a second to start, as long as a whole burst of kernels
+  may last. Whatever runs in the block counts, so compile before it: samples taken while the
+  host compiles show an idle card's clock and power."""
 
   QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
 
-  def __init__(self, period_ms: int = 50):
+  def __init__(self, period_ms: int = 50, start_timeout_s: float = 10.0):
     self.period_ms = period_ms
+    self.start_timeout_s = start_timeout_s
     self._process = None
+    self._head = b""
     self._lines: list[str] = []
 
   def __enter__(self):
     executable = shutil.which("nvidia-smi")
     if executable is not None:
+      # Unbuffered bytes, so that what the first-line wait reads is not held in a buffer that
+      # ``communicate`` (which reads the file descriptor) would skip.
       self._process = subprocess.Popen(
         [executable, "--id=0", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"]
         + ["-lms", str(self.period_ms)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        text=True,
+        bufsize=0,
       )
+      self._head = self._first_line()
     return self
+
+  def _first_line(self) -> bytes:
+    """What the sampler printed up to its first newline, waiting at most ``start_timeout_s``;
+    less where it printed nothing in time or exited."""
+    descriptor = self._process.stdout.fileno()
+    head = b""
+    deadline = time.monotonic() + self.start_timeout_s
+    while b"\n" not in head:
+      left = deadline - time.monotonic()
+      if left <= 0 or not select.select([descriptor], [], [], left)[0]:
+        break
+      chunk = os.read(descriptor, 4096)
+      if not chunk:  # the sampler exited
+        break
+      head += chunk
+    return head
 
   def __exit__(self, *exc_info):
     if self._process is not None:
@@ -295,7 +323,7 @@ class ClockLog:
       except subprocess.TimeoutExpired:  # it ignored the terminate: no sampler left behind
         self._process.kill()
         output, _ = self._process.communicate()
-      self._lines = output.splitlines()
+      self._lines = (self._head + output).decode(errors="replace").splitlines()
     return False
 
   def summary(self) -> ClockSummary | None:

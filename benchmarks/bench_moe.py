@@ -488,6 +488,8 @@ def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
             kernel[1] = min(kernel[1], ms * 1e3)
         # A call with other kernels (a one-off copy, say) is left out of the minimum.
       entry["kernels_us"] = kernels
+      # Compiled before the clock log, which should sample the timed launches, not an idle card.
+      jax.block_until_ready(program(variants, *layer.weights))
       with ClockLog() as clocks:
         busy = busy_seconds(
           lambda variants=variants: program(variants, *layer.weights),

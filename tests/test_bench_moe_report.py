@@ -84,6 +84,32 @@ def test_clock_log_reads_what_nvidia_smi_prints_and_stops_it(tmp_path, monkeypat
   assert clocks._process.returncode == -signal.SIGTERM  # still sampling, stopped by the block's end
 
 
+def test_clock_log_starts_its_block_after_the_first_sample(tmp_path, monkeypatch):
+  # A stand-in nvidia-smi that takes a second to print its first sample, then samples (sleeps)
+  # until terminated: an empty block still ends with that sample.
+  sleep = shutil.which("sleep")
+  fake = tmp_path / "nvidia-smi"
+  fake.write_text(f"#!/bin/sh\n{sleep} 1\necho '1500, 700.0, 0x4'\nexec {sleep} 60\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", str(tmp_path))
+  with ClockLog() as clocks:
+    pass
+  assert clocks.summary() == summarize_clock_samples(["1500, 700.0, 0x4"])
+
+
+def test_clock_log_gives_up_waiting_for_a_silent_sampler(tmp_path, monkeypatch):
+  fake = tmp_path / "nvidia-smi"
+  fake.write_text(f"#!/bin/sh\nexec {shutil.which('sleep')} 60\n")
+  fake.chmod(0o755)
+  monkeypatch.setenv("PATH", str(tmp_path))
+  started = time.monotonic()
+  with ClockLog(start_timeout_s=0.3) as clocks:
+    pass
+  assert time.monotonic() - started < 10
+  assert clocks.summary() is None
+  assert clocks._process.returncode == -signal.SIGTERM
+
+
 def test_clock_log_without_nvidia_smi_gives_no_summary(tmp_path, monkeypatch):
   monkeypatch.setenv("PATH", str(tmp_path))
   with ClockLog() as clocks:
