@@ -9,10 +9,12 @@ time of one default call (``_timing.kernel_seconds``, fastest of three), ours an
 best path (bf16 only), on the pages as made and with ``block_tables % POOL`` (256 page ids,
 16 MiB of bf16 K and V).
 
-Usage (a GPU; FlashInfer optional): ``python benchmarks/probe_step_floor.py [--no-flashinfer]``;
-writes ``step_bound.json`` under ``$OUT`` (or the working directory).
+Usage (a GPU; FlashInfer optional): ``python benchmarks/probe_step_floor.py [--no-flashinfer]
+[--out DIR]``; writes ``step_bound.json`` under ``DIR`` (default ``$OUT``, else the working
+directory).
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -48,8 +50,18 @@ def in_l2_pool(batch):
   )
 
 
-def main():
-  flashinfer = "--no-flashinfer" not in sys.argv
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description="decode-attention step floors, KV from L2")
+  parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer out")
+  parser.add_argument(
+    "--out", default=os.environ.get("OUT", "."), help="directory of step_bound.json"
+  )
+  return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  flashinfer = not args.no_flashinfer
   rng = np.random.default_rng(0)
   base = bda.make_batch(rng, [32768] * 64)
   fp8 = bda.to_fp8(base)
@@ -83,8 +95,8 @@ def main():
     "pool_pages": POOL,
     "rows": rows,
   }
-  out = os.path.join(os.environ.get("OUT", "."), "step_bound.json")
-  with open(out, "w") as f:
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "step_bound.json"), "w") as f:
     json.dump(result, f, indent=1)
 
 
