@@ -199,15 +199,50 @@ def measure_read_bandwidth(num_bytes=1 << 30):
   return arrays[0].nbytes / seconds / 1e12
 
 
+def matmul_operands(count, size):
+  """``count`` distinct bf16 [size, size] left operands and one right operand."""
+  keys = jax.random.split(jax.random.key(1), count)
+  lhs = [jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys]
+  return lhs, jax.random.normal(jax.random.key(2), (size, size), jnp.bfloat16)
+
+
+def bf16_matmul(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
 def measure_matmul_rate(size=8192):
   """TFLOP/s of a bf16 [size, size] @ [size, size] matmul with float32 accumulation."""
-  keys = jax.random.split(jax.random.key(1), 3)
-  lhs = [jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys]
-  rhs = jax.random.normal(jax.random.key(2), (size, size), jnp.bfloat16)
-  seconds = time_jax(
-    lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16), lhs, rhs
-  )
-  return 2 * size**3 / seconds / 1e12
+  lhs, rhs = matmul_operands(3, size)
+  return 2 * size**3 / time_jax(bf16_matmul, lhs, rhs) / 1e12
+
+
+def sustained_matmul_rate(seconds_per_launch, burst_tflops, size=8192):
+  """The matmul rate of ``measure_matmul_rate`` under a load as long as a timed program's.
+
+  A program of as many distinct matmuls as fill ``seconds_per_launch`` at ``burst_tflops`` runs
+  ``TIMING_LAUNCHES`` times back to back; every kernel is summed as it ran (``busy_seconds``),
+  with the SM clock sampled meanwhile (``ClockLog``). The ceiling itself is a burst of a few
+  launches of three matmuls; under a long load a card at its power cap runs a lower clock, and
+  this says how much lower the matmul rate goes there. Returns ``(TFLOP/s, matmuls per launch,
+  clock)``, the clock as ``sustained_load`` gives it."""
+  flops = 2 * size**3
+  count = max(1, round(seconds_per_launch * burst_tflops * 1e12 / flops))
+  lhs, rhs = matmul_operands(count, size)
+  program = jax.jit(lambda lhs, rhs: [bf16_matmul(a, rhs) for a in lhs])
+  busy, clock = sustained_load(lambda: program(lhs, rhs))
+  return count * flops / busy / 1e12, count, clock
+
+
+def sustained_load(call) -> tuple[float, dict | None]:
+  """Device seconds per ``call()`` of ``TIMING_LAUNCHES`` back-to-back ones, every kernel as
+  it ran (``busy_seconds``), and the ``ClockSummary`` (as a dict, None without ``nvidia-smi``)
+  of the SM clock sampled over them. ``call`` runs once before the log starts, so that its
+  compilation is not sampled as an idle card."""
+  jax.block_until_ready(call())
+  with ClockLog() as clocks:
+    busy = busy_seconds(call, jax.block_until_ready, iterations=TIMING_LAUNCHES)
+  summary = clocks.summary()
+  return busy, None if summary is None else dataclasses.asdict(summary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,16 +286,20 @@ def layer_flops(layer, num_tokens) -> int:
   return 2 * num_tokens * TOP_K * 3 * hidden * intermediate
 
 
+def estimated_limit(layer, num_tokens, ceilings) -> tuple[float, str]:
+  """(seconds, "memory" or "compute"): the limit of one call before its routing is drawn, with
+  the experts touched by uniform routing in expectation."""
+  num_experts = layer.w_gate.shape[0]
+  touched_estimate = num_experts * (1 - (1 - TOP_K / num_experts) ** num_tokens)
+  memory_s = touched_estimate * layer.expert_bytes / (ceilings["read_tbps"] * 1e12)
+  compute_s = layer_flops(layer, num_tokens) / (ceilings["matmul_tflops"] * 1e12)
+  return max(memory_s, compute_s), "memory" if memory_s >= compute_s else "compute"
+
+
 def timed_calls(layer, num_tokens, ceilings) -> int:
   """Calls in a timed program of ``num_tokens`` tokens: one call's time decides it, estimated
   from the limit."""
-  num_experts = layer.w_gate.shape[0]
-  touched_estimate = num_experts * (1 - (1 - TOP_K / num_experts) ** num_tokens)
-  limit_s = max(
-    touched_estimate * layer.expert_bytes / (ceilings["read_tbps"] * 1e12),
-    layer_flops(layer, num_tokens) / (ceilings["matmul_tflops"] * 1e12),
-  )
-  return calls_per_program(limit_s, 16)
+  return calls_per_program(estimated_limit(layer, num_tokens, ceilings)[0], 16)
 
 
 def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
@@ -464,7 +503,10 @@ def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
   (as many calls as the table's timing runs) as that timing makes (``busy_seconds``), per call,
   with the SM clock sampled meanwhile (``ClockLog``): beside the table's time it tells idle time
   between kernels from kernels that ran slower there than at their fastest, and the clock
-  tells whether the card held its clock or lowered it (to stay within its power limit, say)."""
+  tells whether the card held its clock or lowered it (to stay within its power limit, say).
+  Where the limit is the matmul rate, bf16 matmuls then run as long a load
+  (``sustained_matmul_rate``): the limit at the rate the card holds under it, a reading beside
+  the table's limit, which keeps the burst's rate."""
   from jax.experimental.mosaic.gpu import profiler
 
   num_experts, hidden, _ = layer.w_gate.shape
@@ -488,21 +530,23 @@ def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
             kernel[1] = min(kernel[1], ms * 1e3)
         # A call with other kernels (a one-off copy, say) is left out of the minimum.
       entry["kernels_us"] = kernels
-      # Compiled before the clock log, which should sample the timed launches, not an idle card.
-      jax.block_until_ready(program(variants, *layer.weights))
-      with ClockLog() as clocks:
-        busy = busy_seconds(
-          lambda variants=variants: program(variants, *layer.weights),
-          jax.block_until_ready,
-          iterations=TIMING_LAUNCHES,
-        )
-      summary = clocks.summary()
+      busy, clock = sustained_load(lambda variants=variants: program(variants, *layer.weights))
       entry["timed_program"] = {
         "calls": count,
         "launches": TIMING_LAUNCHES,
         "kernels_us_per_call": busy / count * 1e6,
-        "sm_clock": None if summary is None else dataclasses.asdict(summary),
+        "sm_clock": clock,
       }
+      if estimated_limit(layer, num_tokens, ceilings)[1] == "compute":
+        # busy is per launch of the timed program (count calls of ours): as long a launch.
+        tflops, matmuls, clock = sustained_matmul_rate(busy, ceilings["matmul_tflops"])
+        entry["sustained_matmul"] = {
+          "matmuls_per_launch": matmuls,
+          "launches": TIMING_LAUNCHES,
+          "tflops": tflops,
+          "limit_us": layer_flops(layer, num_tokens) / (tflops * 1e12) * 1e6,
+          "sm_clock": clock,
+        }
     except Exception as error:
       entry["error"] = f"{type(error).__name__}: {str(error)[:300]}"
     print("breakdown", entry, flush=True)
@@ -616,6 +660,45 @@ def main():
   print(render_markdown(meta, rows, breakdowns, tuning))
 
 
+def clock_cell(clock) -> str:
+  """A ``ClockSummary`` dict as "mean (min-max; capped share)" in MHz, or "n/a"."""
+  if not clock:
+    return "n/a"
+  return (
+    f"{clock['sm_mhz_mean']:.0f} ({clock['sm_mhz_min']:.0f}-{clock['sm_mhz_max']:.0f}; "
+    f"{clock['power_capped_share']:.0%} capped)"
+  )
+
+
+def sustained_matmul_lines(breakdowns, rows, ceilings) -> list[str]:
+  """A sentence for each breakdown entry with a sustained matmul: its rate and clock, the limit
+  at that rate, and the table's time of ours against it."""
+  times = {(row["shape"], row["tokens"]): row.get("ours", {}).get("us") for row in rows}
+  lines = []
+  for entry in breakdowns:
+    matmul = entry.get("sustained_matmul")
+    if not matmul:
+      continue
+    ours = times.get((entry["shape"], entry["tokens"]))
+    against = f"; the table's {ours:.0f} us is {ours / matmul['limit_us']:.2f}x it" if ours else ""
+    clock = matmul["sm_clock"]
+    at_clock = f" at an SM clock of {clock_cell(clock)} MHz" if clock else ""
+    lines.append(
+      f"- {entry['shape']}, {entry['tokens']} tokens: bf16 matmuls run as long a load "
+      f"({matmul['launches']} launches of {matmul['matmuls_per_launch']}) reached "
+      f"{matmul['tflops']:.0f} TFLOP/s{at_clock} (the table's ceiling, a burst: "
+      f"{ceilings['matmul_tflops']:.0f}); the limit at that rate is "
+      f"{matmul['limit_us']:.0f} us{against}."
+    )
+  if not lines:
+    return []
+  return [
+    "",
+    "The matmul rate under a sustained load, where the limit is the matmul rate:",
+    "",
+  ] + lines
+
+
 def render_markdown(meta, rows, breakdowns, tuning):
   def us(entry):
     return f"{entry['us']:.0f}" if "us" in entry else "fails" if "error" in entry else "n/a"
@@ -709,18 +792,13 @@ def render_markdown(meta, rows, breakdowns, tuning):
       xla = [name for name, _ in kernels if not name.startswith("routed_experts_")]
       program = entry.get("timed_program") or {}
       in_program = f"{program['kernels_us_per_call']:.0f}" if program else "n/a"
-      clock = program.get("sm_clock")
-      clock_cell = (
-        f"{clock['sm_mhz_mean']:.0f} ({clock['sm_mhz_min']:.0f}-{clock['sm_mhz_max']:.0f}; "
-        f"{clock['power_capped_share']:.0%} capped)"
-        if clock
-        else "n/a"
-      )
       lines.append(
         f"| {entry['shape']} | {entry['tokens']} | {gate_up:.0f} | {down:.0f} "
         f"| {total - gate_up - down:.0f} ({len(xla)}) | {total:.0f} | {in_program} "
-        f"| {clock_cell} | {table_us.get((entry['shape'], entry['tokens']), 'n/a')} |"
+        f"| {clock_cell(program.get('sm_clock'))} "
+        f"| {table_us.get((entry['shape'], entry['tokens']), 'n/a')} |"
       )
+    lines += sustained_matmul_lines(timed, rows, meta["ceilings"])
   groups = {}  # (shape, tokens, routes per expert) -> {choice: entry}, from --crossover
   for entry in tuning:
     if "crossover" in entry:

@@ -8,10 +8,11 @@ import shutil
 import signal
 import time
 
+import jax
 import pytest
 
 from benchmarks._timing import ClockLog, summarize_clock_samples
-from benchmarks.bench_moe import render_markdown
+from benchmarks.bench_moe import DTYPE, SHAPES, Layer, estimated_limit, layer_flops, render_markdown
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -51,6 +52,41 @@ def test_breakdown_sets_the_timed_programs_kernels_and_clock_beside_the_tables_t
   clock = summarize_clock_samples(["1980, 640.0, 0x0", "1500, 700.0, 0x4", "1110, 699.0, 0x4"])
   clocked = {**entry, "timed_program": {**program, "sm_clock": dataclasses.asdict(clock)}}
   assert breakdown_cells(results, clocked)[6:] == ["4321", "1530 (1110-1980; 67% capped)", table_us]
+
+
+def test_the_limit_is_the_matmul_rate_at_8192_tokens_and_the_weights_at_2048():
+  num_experts, hidden, intermediate = SHAPES["GLM-4.5-Air"]
+  shapes = [(num_experts, hidden, intermediate)] * 2 + [(num_experts, intermediate, hidden)]
+  layer = Layer("GLM-4.5-Air", *[jax.ShapeDtypeStruct(shape, DTYPE) for shape in shapes])
+  ceilings = {"read_tbps": 3.24, "matmul_tflops": 686.0}
+  seconds, bound = estimated_limit(layer, 8192, ceilings)
+  assert bound == "compute"
+  assert seconds == pytest.approx(layer_flops(layer, 8192) / 686e12)  # 3.30 ms
+  seconds, bound = estimated_limit(layer, 2048, ceilings)
+  assert bound == "memory"  # all 128 experts touched but for a 1e-7 chance
+  assert seconds == pytest.approx(128 * layer.expert_bytes / 3.24e12, rel=1e-6)
+
+
+def test_the_sustained_matmul_is_reported_beside_the_tables_time(results):
+  (entry,) = [e for e in results["breakdown"] if e["tokens"] == 8192]
+  (row,) = [r for r in results["rows"] if (r["shape"], r["tokens"]) == ("GLM-4.5-Air", 8192)]
+  clock = summarize_clock_samples(["1600, 700.0, 0x4", "1700, 690.0, 0x0"])
+  matmul = {"matmuls_per_launch": 5, "launches": 47, "tflops": 601.4, "limit_us": 3771.2}
+  clocked = {**entry, "sustained_matmul": {**matmul, "sm_clock": dataclasses.asdict(clock)}}
+  text = render_markdown(results["meta"], results["rows"], [clocked], [])
+  ceiling = results["meta"]["ceilings"]["matmul_tflops"]
+  assert (
+    "- GLM-4.5-Air, 8192 tokens: bf16 matmuls run as long a load (47 launches of 5) reached "
+    "601 TFLOP/s at an SM clock of 1650 (1600-1700; 50% capped) MHz (the table's ceiling, a "
+    f"burst: {ceiling:.0f}); the limit at that rate is 3771 us; the table's "
+    f"{row['ours']['us']:.0f} us is {row['ours']['us'] / 3771.2:.2f}x it."
+  ) in text
+  unclocked = {**entry, "sustained_matmul": {**matmul, "sm_clock": None}}
+  text = render_markdown(results["meta"], results["rows"], [unclocked], [])
+  assert "reached 601 TFLOP/s (the table's ceiling" in text
+  # No sustained matmul (a row bound by memory, or an older run): no such section.
+  plain = render_markdown(results["meta"], results["rows"], [entry], [])
+  assert "under a sustained load" not in plain
 
 
 def test_clock_samples_are_summarised_and_unparsable_lines_skipped():
