@@ -221,10 +221,10 @@ def sustained_matmul_rate(seconds_per_launch, burst_tflops, size=8192):
 
   A program of as many distinct matmuls as fill ``seconds_per_launch`` at ``burst_tflops`` runs
   ``TIMING_LAUNCHES`` times back to back; every kernel is summed as it ran (``busy_seconds``),
-  with the SM clock sampled meanwhile (``ClockLog``). The ceiling itself is a burst of a few
-  launches of three matmuls; under a long load a card at its power cap runs a lower clock, and
-  this says how much lower the matmul rate goes there. Returns ``(TFLOP/s, matmuls per launch,
-  clock)``, the clock as ``sustained_load`` gives it."""
+  with the SM clock sampled meanwhile (``ClockLog``). The ceiling times programs of three
+  matmuls between host synchronisations; a card at its power cap may run a lower clock under
+  the longer load of our timed program, and this says whether the matmul rate holds there.
+  Returns ``(TFLOP/s, matmuls per launch, clock)``, the clock as ``sustained_load`` gives it."""
   flops = 2 * size**3
   count = max(1, round(seconds_per_launch * burst_tflops * 1e12 / flops))
   lhs, rhs = matmul_operands(count, size)
@@ -506,7 +506,7 @@ def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
   tells whether the card held its clock or lowered it (to stay within its power limit, say).
   Where the limit is the matmul rate, bf16 matmuls then run as long a load
   (``sustained_matmul_rate``): the limit at the rate the card holds under it, a reading beside
-  the table's limit, which keeps the burst's rate."""
+  the table's limit, which keeps the ceiling's rate."""
   from jax.experimental.mosaic.gpu import profiler
 
   num_experts, hidden, _ = layer.w_gate.shape
@@ -686,7 +686,7 @@ def sustained_matmul_lines(breakdowns, rows, ceilings) -> list[str]:
     lines.append(
       f"- {entry['shape']}, {entry['tokens']} tokens: bf16 matmuls run as long a load "
       f"({matmul['launches']} launches of {matmul['matmuls_per_launch']}) reached "
-      f"{matmul['tflops']:.0f} TFLOP/s{at_clock} (the table's ceiling, a burst: "
+      f"{matmul['tflops']:.0f} TFLOP/s{at_clock} (the table's ceiling: "
       f"{ceilings['matmul_tflops']:.0f}); the limit at that rate is "
       f"{matmul['limit_us']:.0f} us{against}."
     )
