@@ -216,17 +216,17 @@ def measure_matmul_rate(size=8192):
   return 2 * size**3 / time_jax(bf16_matmul, lhs, rhs) / 1e12
 
 
-def sustained_matmul_rate(seconds_per_launch, burst_tflops, size=8192):
+def sustained_matmul_rate(seconds_per_launch, ceiling_tflops, size=8192):
   """The matmul rate of ``measure_matmul_rate`` under a load as long as a timed program's.
 
-  A program of as many distinct matmuls as fill ``seconds_per_launch`` at ``burst_tflops`` runs
+  A program of as many distinct matmuls as fill ``seconds_per_launch`` at ``ceiling_tflops`` runs
   ``TIMING_LAUNCHES`` times back to back; every kernel is summed as it ran (``busy_seconds``),
   with the SM clock sampled meanwhile (``ClockLog``). The ceiling times programs of three
   matmuls between host synchronisations; a card at its power cap may run a lower clock under
   the longer load of our timed program, and this says whether the matmul rate holds there.
   Returns ``(TFLOP/s, matmuls per launch, clock)``, the clock as ``sustained_load`` gives it."""
   flops = 2 * size**3
-  count = max(1, round(seconds_per_launch * burst_tflops * 1e12 / flops))
+  count = max(1, round(seconds_per_launch * ceiling_tflops * 1e12 / flops))
   lhs, rhs = matmul_operands(count, size)
   program = jax.jit(lambda lhs, rhs: [bf16_matmul(a, rhs) for a in lhs])
   busy, clock = sustained_load(lambda: program(lhs, rhs))
