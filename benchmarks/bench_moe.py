@@ -286,14 +286,20 @@ def layer_flops(layer, num_tokens) -> int:
   return 2 * num_tokens * TOP_K * 3 * hidden * intermediate
 
 
-def estimated_limit(layer, num_tokens, ceilings) -> tuple[float, str]:
-  """(seconds, "memory" or "compute"): the limit of one call before its routing is drawn, with
-  the experts touched by uniform routing in expectation."""
-  num_experts = layer.w_gate.shape[0]
-  touched_estimate = num_experts * (1 - (1 - TOP_K / num_experts) ** num_tokens)
-  memory_s = touched_estimate * layer.expert_bytes / (ceilings["read_tbps"] * 1e12)
+def layer_limit(layer, num_tokens, touched, ceilings) -> tuple[float, str]:
+  """(seconds, "memory" or "compute"): the limit of one call that touches ``touched`` experts,
+  max(their weight bytes / read ceiling, FLOPs / matmul ceiling)."""
+  memory_s = touched * layer.expert_bytes / (ceilings["read_tbps"] * 1e12)
   compute_s = layer_flops(layer, num_tokens) / (ceilings["matmul_tflops"] * 1e12)
   return max(memory_s, compute_s), "memory" if memory_s >= compute_s else "compute"
+
+
+def estimated_limit(layer, num_tokens, ceilings) -> tuple[float, str]:
+  """``layer_limit`` before the routing is drawn: the experts touched by uniform routing in
+  expectation."""
+  num_experts = layer.w_gate.shape[0]
+  touched_estimate = num_experts * (1 - (1 - TOP_K / num_experts) ** num_tokens)
+  return layer_limit(layer, num_tokens, touched_estimate, ceilings)
 
 
 def timed_calls(layer, num_tokens, ceilings) -> int:
@@ -304,18 +310,16 @@ def timed_calls(layer, num_tokens, ceilings) -> int:
 
 def run_row(rng, layer, num_tokens, ceilings, smoke, contenders):
   num_experts, hidden, _ = layer.w_gate.shape
-  flops = layer_flops(layer, num_tokens)
   count = 1 if smoke else timed_calls(layer, num_tokens, ceilings)
   variants = fresh_inputs(rng, num_tokens, num_experts, hidden, count)
   touched = np.mean([len(np.unique(np.asarray(v[1]))) for v in variants])
-  memory_s = touched * layer.expert_bytes / (ceilings["read_tbps"] * 1e12)
-  compute_s = flops / (ceilings["matmul_tflops"] * 1e12)
+  limit_s, bound = layer_limit(layer, num_tokens, touched, ceilings)
   row = {
     "shape": layer.name,
     "tokens": num_tokens,
     "experts_touched": float(touched),
-    "limit_us": max(memory_s, compute_s) * 1e6,
-    "limit_bound": "memory" if memory_s >= compute_s else "compute",
+    "limit_us": limit_s * 1e6,
+    "limit_bound": bound,
     "calls_per_program": count,
   }
   reps = 1 if smoke else TIMING_REPS
