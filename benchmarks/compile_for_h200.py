@@ -32,9 +32,10 @@ machine without a GPU its version check finds no cuDNN, hence the variable)::
 ``--set field=value`` replaces fields of the op's ``default_config``; ``--module FILE`` compiles
 another version of the op's ``mosaic_gpu.py`` (a branch's, say) in place of the installed one.
 ``--ptx-dir DIR`` keeps each Mosaic GPU kernel's PTX (with the other dumps of Mosaic GPU) in
-``DIR``; ``--sass`` then assembles it for sm_90a and disassembles it (``ptxas``, ``cuobjdump``:
-from a CUDA toolkit, or the wheels ``nvidia-cuda-nvcc`` and ``nvidia-cuda-cuobjdump``, which
-install them under ``site-packages/nvidia/cu13/bin``), keeps the SASS, the instructions the H200
+``DIR``; ``--sass`` then assembles it for sm_90a and disassembles it (``ptxas``, ``cuobjdump``
+and the ``nvdisasm`` that cuobjdump runs: from a CUDA toolkit, or the wheels ``nvidia-cuda-nvcc``,
+``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm``, which install them under
+``site-packages/nvidia/cu13/bin``), keeps the SASS, the instructions the H200
 would run, beside the PTX, and prints its static counts: instructions, warpgroup barriers,
 wgmmas, TMA loads, local-memory accesses (spills). Those counts are what the notes cite, e.g.::
 
@@ -176,7 +177,7 @@ def count_sass(kernel: str, sass_text: str) -> SassCounts:
 
 
 def find_cuda_tool(name: str) -> str:
-  """``name`` (ptxas, cuobjdump) from ``PATH``, ``$CUDA_HOME/bin`` or the CUDA wheels'
+  """``name`` (ptxas, cuobjdump, nvdisasm) from ``PATH``, ``$CUDA_HOME/bin`` or the CUDA wheels'
   ``nvidia/cu13/bin``."""
   candidates = [shutil.which(name)]
   candidates += [
@@ -194,7 +195,7 @@ def find_cuda_tool(name: str) -> str:
       return candidate
   raise FileNotFoundError(
     f"{name} not found on PATH, in $CUDA_HOME/bin or in site-packages/nvidia/cu13/bin: install a "
-    "CUDA toolkit or the wheels nvidia-cuda-nvcc and nvidia-cuda-cuobjdump"
+    "CUDA toolkit or the wheels nvidia-cuda-nvcc, nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm"
   )
 
 
@@ -202,6 +203,9 @@ def sass_counts(ptx_dir: pathlib.Path) -> list[SassCounts]:
   """Assembles each kernel's PTX in ``ptx_dir`` for sm_90a and counts its SASS; the SASS is kept
   beside the PTX (``<kernel>.sass``)."""
   ptxas, cuobjdump = find_cuda_tool("ptxas"), find_cuda_tool("cuobjdump")
+  # cuobjdump disassembles through nvdisasm, which it looks up on PATH only.
+  nvdisasm_dir = os.path.dirname(find_cuda_tool("nvdisasm"))
+  env = dict(os.environ, PATH=os.pathsep.join([nvdisasm_dir, os.environ.get("PATH", "")]))
   counts = []
   for ptx in sorted(ptx_dir.glob("*.ptx")):
     cubin = ptx.with_suffix(".cubin")
@@ -211,9 +215,12 @@ def sass_counts(ptx_dir: pathlib.Path) -> list[SassCounts]:
     notes = tuple(line for line in (assembled.stdout + assembled.stderr).splitlines() if line)
     if assembled.returncode:
       raise RuntimeError(f"ptxas failed on {ptx}:\n" + "\n".join(notes))
-    sass = subprocess.run(
-      [cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True
-    ).stdout
+    disassembled = subprocess.run(
+      [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env
+    )
+    if disassembled.returncode:
+      raise RuntimeError(f"cuobjdump failed on {cubin}:\n{disassembled.stderr.strip()}")
+    sass = disassembled.stdout
     ptx.with_suffix(".sass").write_text(sass)
     counts.append(dataclasses.replace(count_sass(ptx.stem, sass), ptxas_notes=notes))
   return counts

@@ -186,11 +186,31 @@ def test_sass_counts_keeps_the_sass_and_ptxas_notes_and_reports_a_failure(tmp_pa
   (ptx_dir / "kernel_0.ptx").write_text("// ptx\n")
   # ptxas -arch=sm_90a -o CUBIN PTX; cuobjdump -sass CUBIN
   _fake_tool(bin_dir, "ptxas", 'echo "ptxas info    : (C7519) note" >&2; touch "$3"\n')
-  _fake_tool(bin_dir, "cuobjdump", f"cat <<'END'\n{SASS}END\n")
-  monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")  # the fakes first
+  # Like the real one, the fake cuobjdump fails unless nvdisasm is on its PATH; nvdisasm is
+  # installed apart, found through CUDA_HOME only.
+  _fake_tool(
+    bin_dir,
+    "cuobjdump",
+    "command -v nvdisasm >/dev/null || { echo \"Could not find executable file 'nvdisasm'\" >&2;"
+    f" exit 1; }}\ncat <<'END'\n{SASS}END\n",
+  )
+  monkeypatch.setenv("PATH", os.pathsep.join([str(bin_dir), "/usr/bin", "/bin"]))
+  for var in ("CUDA_HOME", "CUDA_PATH"):
+    monkeypatch.delenv(var, raising=False)
+  with pytest.raises(FileNotFoundError, match="nvdisasm not found"):
+    sass_counts(ptx_dir)
+  cuda_home = tmp_path / "cuda"
+  (cuda_home / "bin").mkdir(parents=True)
+  _fake_tool(cuda_home / "bin", "nvdisasm", "")
+  monkeypatch.setenv("CUDA_HOME", str(cuda_home))
   (counts,) = sass_counts(ptx_dir)
   assert counts == SassCounts("kernel_0", 9, 1, 1, 2, 2, ("ptxas info    : (C7519) note",))
   assert (ptx_dir / "kernel_0.sass").read_text() == SASS
+  _fake_tool(bin_dir, "cuobjdump", 'echo "cuobjdump fatal   : bad cubin" >&2; exit 1\n')
+  with pytest.raises(
+    RuntimeError, match="cuobjdump failed on .*kernel_0.cubin:\ncuobjdump fatal   : bad cubin"
+  ):
+    sass_counts(ptx_dir)
   _fake_tool(bin_dir, "ptxas", 'echo "ptxas fatal   : bad ptx" >&2; exit 1\n')
   with pytest.raises(
     RuntimeError, match="ptxas failed on .*kernel_0.ptx:\nptxas fatal   : bad ptx"
