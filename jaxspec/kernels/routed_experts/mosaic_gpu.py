@@ -608,7 +608,8 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
   has a static shape: one copy per set bit of ``rows``, largest first (jax's ragged_dot_mgpu).
   The offsets are multiples of 8, whole rows of the staging tile's (8, 64) tiling: Mosaic GPU's
   layout inference gives ``out_smem`` that tiling and a 128-byte swizzle, and the epilogue writes
-  it with ``stmatrix`` (compiled for sm_90a, ``benchmarks/compile_for_h200.py``).
+  it with ``stmatrix`` (both kernels at GLM-4.5-Air's 8192-token config, compiled for sm_90a by
+  ``benchmarks/compile_for_h200.py``).
   """
   offset = 0  # static for the first (largest) copy, traced after
   size = 1 << (max_rows.bit_length() - 1)  # rows < 2 * size: no higher bit is set
