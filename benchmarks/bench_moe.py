@@ -24,16 +24,25 @@ a sweep of TuningConfigs per token count (GLM-4.5-Air) to choose defaults from, 
 runs the sweep alone (into ``moe_tuning.json`` and ``.md``); ``--crossover`` alone times
 ``default_config``'s two choices around its threshold, and transposed tiles sized to hold an
 expert's routes, on every shape of ``--shapes`` (into ``moe_crossover.json`` and ``.md``);
+``--against FILE`` alone sets the Mosaic GPU module in ``FILE`` (another version of
+``mosaic_gpu.py``: ``git show main:jaxspec/kernels/routed_experts/mosaic_gpu.py > FILE``, say)
+against the installed one, each with its own ``default_config``, at ``--tokens`` (default 2048
+and 8192): outputs bit for bit, each kind of kernel by CUPTI, and the layer in rounds that
+alternate the two (into ``moe_ab.json`` and ``.md``); ``--intermediate N`` sets every shape's I
+to N there, so that the down kernel's work items take other numbers of K steps over the same
+items, which separates its cost per item from its cost per step.
 ``--smoke`` runs tiny shapes in GPU interpret mode on any backend (a check of the script, not a
 measurement) and writes to a temporary directory unless ``--out`` is given.
 
 Usage: ``python benchmarks/bench_moe.py [--quick] [--tune | --tune-only] [--tokens N ...]
-[--shapes NAME ...]``, ``... --crossover [--shapes NAME ...]`` or either with ``--smoke``.
+[--shapes NAME ...]``, ``... --crossover [--shapes NAME ...]``, ``... --against FILE [--tokens
+N ...] [--shapes NAME ...] [--intermediate N]``, or any of them with ``--smoke``.
 """
 
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 import sys
@@ -46,7 +55,14 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks._timing import ClockLog, busy_seconds, time_jax, time_torch  # noqa: E402
+from benchmarks._modules import load_module  # noqa: E402
+from benchmarks._timing import (  # noqa: E402
+  ClockLog,
+  busy_seconds,
+  kernel_seconds,
+  time_jax,
+  time_torch,
+)
 from jaxspec.kernels.routed_experts import mosaic_gpu  # noqa: E402
 from jaxspec.kernels.routed_experts.api import routed_experts  # noqa: E402
 from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig  # noqa: E402
@@ -68,6 +84,9 @@ CROSSOVER_ROUTES_PER_EXPERT = (40, 48, 56, 64, 72, 80, 88)
 ONE_TILE_EXCESS = 0.01
 SMOKE_SHAPES = {"smoke": (8, 128, 128)}
 SMOKE_TOKENS = (1, 5)
+# --against: token counts by default, and rounds of the layer's timing (each times both modules).
+AB_TOKENS = (2048, 8192)
+AB_ROUNDS = 3
 PER_ROUTE_MAX_BYTES = 24e9  # the per_route gather of one call must fit next to the rest
 PEAK_MEMORY_TOKENS = 8192
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -500,6 +519,66 @@ def crossover(rng, layer, tuning, save, smoke=False):
     save()
 
 
+def kernel_sums(kernels) -> dict[str, float]:
+  """Microseconds of a call's ``(name, us)`` kernels by kind: our gate/up and down kernels (once
+  per memory part), the XLA kernels around them, and all."""
+  gate_up = sum(t for name, t in kernels if name.startswith("routed_experts_gate_up"))
+  down = sum(t for name, t in kernels if name.startswith("routed_experts_down"))
+  total = sum(t for _, t in kernels)
+  return {"gate_up": gate_up, "down": down, "xla": total - gate_up - down, "all": total}
+
+
+def against(rng, layer, baseline, token_counts, comparisons, save, smoke=False):
+  """The module ``baseline`` against the installed ``mosaic_gpu``, each with its own
+  ``default_config``, on the same inputs: whether the outputs agree bit for bit, each kind of
+  kernel of one call (CUPTI, every kernel at its fastest of ten back-to-back calls, summed by
+  ``kernel_sums``), and the layer timed as the table times it in ``AB_ROUNDS`` rounds, each
+  timing the baseline then ours, so that a drift of the card over the run (its clock under the
+  power cap, say) shows as a spread rather than as a difference."""
+  num_experts, hidden, intermediate = layer.w_gate.shape
+  shapes = (TOP_K, num_experts, hidden, intermediate)
+  modules = {"baseline": baseline, "ours": mosaic_gpu}
+  for num_tokens in token_counts:
+    variants = fresh_inputs(rng, num_tokens, num_experts, hidden, 1 if smoke else 2)
+    calls, configs = {}, {}
+    for label, module in modules.items():
+      config = module.default_config(num_tokens, *shapes)
+      if smoke:  # a few simulated SMs
+        config = dataclasses.replace(config, num_sms=4)
+      configs[label] = dataclasses.asdict(config)
+
+      def call(variant, w_gate, w_up, w_down, module=module, config=config):
+        x, ids, weights = variant
+        return module.routed_experts_mosaic_gpu(
+          x, ids, weights, w_gate, w_up, w_down, config=config, interpret=smoke
+        )
+
+      calls[label] = jax.jit(call)
+    first = [np.asarray(call(variants[0], *layer.weights)) for call in calls.values()]
+    entry = {
+      "shape": layer.name,
+      "tokens": num_tokens,
+      "intermediate": intermediate,
+      "configs": configs,
+      "bitwise_equal": bool(np.array_equal(first[0].view(np.uint16), first[1].view(np.uint16))),
+      "layer_us": {label: [] for label in calls},
+    }
+    for _ in range(1 if smoke else AB_ROUNDS):
+      for label, call in calls.items():
+        seconds = timed(call, variants, layer, 1 if smoke else 7, 0 if smoke else 2)
+        entry["layer_us"][label].append(seconds * 1e6)
+    if not smoke:  # CUPTI needs the GPU
+      entry["kernels_us"] = {}
+      for label, call in calls.items():
+        _, kernels = kernel_seconds(
+          functools.partial(call, variants[0], *layer.weights), jax.block_until_ready
+        )
+        entry["kernels_us"][label] = kernel_sums([(name, s * 1e6) for name, s in kernels])
+    print("against", entry, flush=True)
+    comparisons.append(entry)
+    save()
+
+
 def breakdown(rng, layer, token_counts, ceilings, breakdowns, save):
   """CUPTI time of every GPU kernel of one call of ours (the plan's XLA kernels, the two
   Mosaic GPU kernels, the combine), fastest of five profiled calls, kernel by kernel; and the
@@ -578,6 +657,18 @@ def main():
     "one_tile_rows rows, every shape of --shapes",
   )
   parser.add_argument(
+    "--against",
+    metavar="FILE",
+    default=None,
+    help="alone: the routed-experts mosaic_gpu.py in FILE against the installed one",
+  )
+  parser.add_argument(
+    "--intermediate",
+    type=int,
+    default=None,
+    help="with --against: every shape's I (moe_intermediate) set to this",
+  )
+  parser.add_argument(
     "--tokens", type=int, nargs="+", default=None, help="token counts of the rows and the sweep"
   )
   parser.add_argument(
@@ -591,6 +682,17 @@ def main():
   args.tune = args.tune or args.tune_only
   if args.crossover and (args.tune or args.tokens or args.quick):
     parser.error("--crossover runs alone, at token counts of its own")
+  if args.against and (args.tune or args.crossover or args.quick):
+    parser.error("--against runs alone (with --tokens, --shapes and --intermediate)")
+  if args.intermediate is not None and not args.against:
+    parser.error("--intermediate needs --against (the table keeps the models' shapes)")
+  if args.intermediate is not None and args.intermediate <= 0:
+    parser.error(f"--intermediate must be positive, got {args.intermediate}")
+  baseline = None
+  if args.against:
+    if not pathlib.Path(args.against).is_file():
+      parser.error(f"--against: no file {args.against}")
+    baseline = load_module(args.against, mosaic_gpu)
   if args.out is not None:
     out_dir = pathlib.Path(args.out)
   else:
@@ -600,15 +702,20 @@ def main():
 
   if args.smoke:
     shapes, token_counts = SMOKE_SHAPES, SMOKE_TOKENS
+    if args.against and args.intermediate:
+      shapes = {name: (e, h, args.intermediate) for name, (e, h, _) in shapes.items()}
     ceilings = {
       "read_tbps": measure_read_bandwidth(1 << 20),
       "matmul_tflops": measure_matmul_rate(256),
     }
     contenders = ("ours", "xla", "per_route")
   else:
-    shapes, token_counts = SHAPES, args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
+    default_tokens = AB_TOKENS if args.against else QUICK_TOKENS if args.quick else TOKENS
+    shapes, token_counts = SHAPES, args.tokens or default_tokens
     if args.shapes:
       shapes = {name: SHAPES[name] for name in args.shapes}
+    if args.intermediate:
+      shapes = {name: (e, h, args.intermediate) for name, (e, h, _) in shapes.items()}
     if args.tune_only:  # the sweep runs on GLM-4.5-Air alone
       shapes = {"GLM-4.5-Air": SHAPES["GLM-4.5-Air"]}
     ceilings = {"read_tbps": measure_read_bandwidth(), "matmul_tflops": measure_matmul_rate()}
@@ -625,15 +732,34 @@ def main():
     "inputs (wall time of two back-to-back launches minus one); torch: CUDA events around "
     "back-to-back calls; warm-up excluded",
   }
-  rows, tuning, breakdowns = [], [], []
+  if args.against:
+    meta["against"] = pathlib.Path(args.against).name
+  rows, tuning, breakdowns, comparisons = [], [], [], []
   # A sweep alone writes files of its own, so that it never overwrites the contenders' table.
-  results_name = "moe_crossover" if args.crossover else "moe_tuning" if args.tune_only else "moe"
+  results_name = (
+    "moe_ab"
+    if args.against
+    else "moe_crossover"
+    if args.crossover
+    else "moe_tuning"
+    if args.tune_only
+    else "moe"
+  )
+
+  def report():
+    return render_markdown(meta, rows, breakdowns, tuning, comparisons)
 
   def save():
     """Writes what has been measured so far (a run cut short keeps its finished rows)."""
-    results = {"meta": meta, "rows": rows, "breakdown": breakdowns, "tuning": tuning}
+    results = {
+      "meta": meta,
+      "rows": rows,
+      "breakdown": breakdowns,
+      "tuning": tuning,
+      "against": comparisons,
+    }
     (out_dir / f"{results_name}.json").write_text(json.dumps(results, indent=1))
-    (out_dir / f"{results_name}.md").write_text(render_markdown(meta, rows, breakdowns, tuning))
+    (out_dir / f"{results_name}.md").write_text(report())
 
   layers = {}
   for name, (num_experts, hidden, intermediate) in shapes.items():
@@ -645,6 +771,9 @@ def main():
     }
     if args.crossover:
       crossover(rng, layers.pop(name), tuning, save, smoke=args.smoke)
+      continue
+    if args.against:
+      against(rng, layers.pop(name), baseline, token_counts, comparisons, save, smoke=args.smoke)
       continue
     for num_tokens in () if args.tune_only else token_counts:
       rows.append(run_row(rng, layer, num_tokens, ceilings, args.smoke, contenders))
@@ -661,7 +790,7 @@ def main():
     air = layers.get("GLM-4.5-Air") or make_layer("GLM-4.5-Air", *SHAPES["GLM-4.5-Air"])
     tune(rng, air, tune_tokens, tuning, save)
   print(f"results in {out_dir}")
-  print(render_markdown(meta, rows, breakdowns, tuning))
+  print(report())
 
 
 def clock_cell(clock) -> str:
@@ -703,7 +832,7 @@ def sustained_matmul_lines(breakdowns, rows, ceilings) -> list[str]:
   ] + lines
 
 
-def render_markdown(meta, rows, breakdowns, tuning):
+def render_markdown(meta, rows, breakdowns, tuning, comparisons=()):
   def us(entry):
     return f"{entry['us']:.0f}" if "us" in entry else "fails" if "error" in entry else "n/a"
 
@@ -789,16 +918,14 @@ def render_markdown(meta, rows, breakdowns, tuning):
     table_us = {(row["shape"], row["tokens"]): us(row.get("ours", {})) for row in rows}
     for entry in timed:
       kernels = entry["kernels_us"]
-      gate_up = sum(t for name, t in kernels if name.startswith("routed_experts_gate_up"))
-      down = sum(t for name, t in kernels if name.startswith("routed_experts_down"))
-      total = sum(t for _, t in kernels)
+      sums = kernel_sums(kernels)
       # With memory parts a call launches each of our kernels once per part.
       xla = [name for name, _ in kernels if not name.startswith("routed_experts_")]
       program = entry.get("timed_program") or {}
       in_program = f"{program['kernels_us_per_call']:.0f}" if program else "n/a"
       lines.append(
-        f"| {entry['shape']} | {entry['tokens']} | {gate_up:.0f} | {down:.0f} "
-        f"| {total - gate_up - down:.0f} ({len(xla)}) | {total:.0f} | {in_program} "
+        f"| {entry['shape']} | {entry['tokens']} | {sums['gate_up']:.0f} | {sums['down']:.0f} "
+        f"| {sums['xla']:.0f} ({len(xla)}) | {sums['all']:.0f} | {in_program} "
         f"| {clock_cell(program.get('sm_clock'))} "
         f"| {table_us.get((entry['shape'], entry['tokens']), 'n/a')} |"
       )
@@ -848,7 +975,43 @@ def render_markdown(meta, rows, breakdowns, tuning):
       peak = entry.get("peak_bytes")
       peak = f"{peak['total'] / 1e9:.2f} GB ({peak['temp'] / 1e9:.2f})" if peak else ""
       lines.append(f"| {entry['shape']} | {entry['tokens']} | {config}{mark} | {result} | {peak} |")
+  if comparisons:
+    lines += against_lines(meta, comparisons)
   return "\n".join(lines) + "\n"
+
+
+def against_lines(meta, comparisons) -> list[str]:
+  """The ``--against`` section: the baseline module against ours, row by row."""
+  lines = [
+    "",
+    f"## {meta['against']} (baseline) against the installed module (ours)",
+    "",
+    "Each module with its own default_config. Layer: the table's timing in rounds that each "
+    "time the baseline then ours (us per call, median of the rounds, and every round); "
+    "kernels: CUPTI, each kernel of one call at its fastest of ten back-to-back calls, summed "
+    "by kind (baseline / ours, us). Equal: outputs bit for bit.",
+    "",
+    "| shape | tokens | I | equal | layer baseline / ours | baseline / ours | rounds "
+    "| gate/up kernels | down kernels | XLA kernels | all kernels |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  for entry in comparisons:
+    times = entry["layer_us"]
+    base, ours = (float(np.median(times[label])) for label in ("baseline", "ours"))
+    rounds = "; ".join(
+      f"{b:.0f} / {o:.0f}" for b, o in zip(times["baseline"], times["ours"], strict=True)
+    )
+    kernels = entry.get("kernels_us")
+    cells = [
+      f"{kernels['baseline'][kind]:.0f} / {kernels['ours'][kind]:.0f}" if kernels else "n/a"
+      for kind in ("gate_up", "down", "xla", "all")
+    ]
+    lines.append(
+      f"| {entry['shape']} | {entry['tokens']} | {entry['intermediate']} "
+      f"| {'yes' if entry['bitwise_equal'] else 'NO'} | {base:.0f} / {ours:.0f} "
+      f"| {base / ours:.3f} | {rounds} | " + " | ".join(cells) + " |"
+    )
+  return lines
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from jax.experimental import topologies
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks._modules import load_module  # noqa: E402
 from benchmarks.bench_moe import SHAPES, TOP_K, MemoryReport  # noqa: E402
 from jaxspec.kernels.decode_attention import mosaic_gpu as attention_mosaic_gpu  # noqa: E402
 from jaxspec.kernels.routed_experts import mosaic_gpu as routed_experts_mosaic_gpu  # noqa: E402
@@ -346,16 +347,6 @@ def attention_call(args):
   if args.fp8:
     shapes += [((ATTENTION_KV_HEADS,), jnp.float32)] * 2  # k_scale, v_scale
   return config, call, shapes
-
-
-def load_module(path: str | None, installed):
-  """The op's Mosaic GPU module: ``installed``, or the version in the file ``path``."""
-  if path is None:
-    return installed
-  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def moe_call(args):

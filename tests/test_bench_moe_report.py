@@ -1,5 +1,5 @@
-"""The MoE benchmark's markdown report, rendered from a committed GPU run's results, and the
-clock log its breakdown keeps."""
+"""The MoE benchmark's markdown report, rendered from a committed GPU run's results, the clock
+log its breakdown keeps, and its A/B of two versions of the kernels' module."""
 
 import dataclasses
 import json
@@ -9,10 +9,22 @@ import signal
 import time
 
 import jax
+import numpy as np
 import pytest
 
+from benchmarks import bench_moe
+from benchmarks._modules import load_module
 from benchmarks._timing import ClockLog, summarize_clock_samples
-from benchmarks.bench_moe import DTYPE, SHAPES, Layer, estimated_limit, layer_flops, render_markdown
+from benchmarks.bench_moe import (
+  DTYPE,
+  SHAPES,
+  Layer,
+  against,
+  estimated_limit,
+  layer_flops,
+  make_layer,
+  render_markdown,
+)
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -160,3 +172,59 @@ def breakdown_cells(results, entry) -> list[str]:
   prefix = f"| {entry['shape']} | {entry['tokens']} | "
   (line,) = [line for line in table.splitlines() if line.startswith(prefix)]
   return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+DOUBLED_MODULE = """
+from jaxspec.kernels.routed_experts.mosaic_gpu import *  # noqa: F403
+from jaxspec.kernels.routed_experts import mosaic_gpu as installed
+
+
+def routed_experts_mosaic_gpu(*args, **kwargs):
+  return installed.routed_experts_mosaic_gpu(*args, **kwargs) * 2
+"""
+
+
+@pytest.mark.parametrize("doubled", [False, True])
+def test_against_tells_equal_modules_from_different_ones_in_interpret_mode(
+  tmp_path, results, doubled
+):
+  from jaxspec.kernels.routed_experts import mosaic_gpu
+
+  path = pathlib.Path(mosaic_gpu.__file__)
+  if doubled:  # the installed kernels with every output doubled
+    path = tmp_path / "doubled.py"
+    path.write_text(DOUBLED_MODULE)
+  layer = make_layer("tiny", 8, 128, 128)
+  comparisons, saved = [], []
+  against(
+    np.random.default_rng(0),
+    layer,
+    load_module(str(path), mosaic_gpu),
+    (5,),
+    comparisons,
+    lambda: saved.append(len(comparisons)),
+    smoke=True,
+  )
+  (entry,) = comparisons
+  assert saved == [1]
+  assert entry["bitwise_equal"] is not doubled
+  assert entry["intermediate"] == 128 and entry["configs"]["baseline"] == entry["configs"]["ours"]
+  assert [len(times) for times in entry["layer_us"].values()] == [1, 1]
+  meta = {**results["meta"], "against": path.name}
+  text = render_markdown(meta, [], [], [], comparisons)
+  assert f"| tiny | 5 | 128 | {'NO' if doubled else 'yes'} |" in text
+
+
+@pytest.mark.parametrize(
+  ("argv", "message"),
+  [
+    (["--intermediate", "256"], "--intermediate needs --against"),
+    (["--against", "missing.py"], "--against: no file missing.py"),
+    (["--against", __file__, "--crossover"], "--against runs alone"),
+  ],
+)
+def test_against_options_are_checked_before_any_work(monkeypatch, capsys, argv, message):
+  monkeypatch.setattr("sys.argv", ["bench_moe.py", "--smoke", *argv])
+  with pytest.raises(SystemExit):
+    bench_moe.main()
+  assert message in capsys.readouterr().err
