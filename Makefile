@@ -22,8 +22,9 @@ generate: setup
 # the module-scoped fixtures (trained smoke models, compiled engines) are built once, not once per
 # worker: 11.9 minutes on a 2-core machine, against 15.3 with tests dealt one by one (that run
 # also had about 40 s more of draft-head tests, since jitted).
+# --durations lists the slowest tests, so that a CI run that nears its time budget says where.
 test: setup
-	$(PY) -m pytest -q -n 2 --dist loadscope
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check jaxspec tests benchmarks scripts
