@@ -24,7 +24,7 @@ a sweep of TuningConfigs per token count (GLM-4.5-Air) to choose defaults from, 
 runs the sweep alone (into ``moe_tuning.json`` and ``.md``); ``--crossover`` alone times
 ``default_config``'s two choices around its threshold, and transposed tiles sized to hold an
 expert's routes, on every shape of ``--shapes`` (into ``moe_crossover.json`` and ``.md``);
-``--against FILE`` alone sets the Mosaic GPU module in ``FILE`` (another version of
+``--against FILE`` alone times the Mosaic GPU module in ``FILE`` (another version of
 ``mosaic_gpu.py``: ``git show main:jaxspec/kernels/routed_experts/mosaic_gpu.py > FILE``, say)
 against the installed one, each with its own ``default_config``, at ``--tokens`` (default 2048
 and 8192): outputs bit for bit, each kind of kernel by CUPTI, and the layer in rounds that
@@ -545,6 +545,13 @@ def against(rng, layer, baseline, token_counts, comparisons, save, smoke=False):
       config = module.default_config(num_tokens, *shapes)
       if smoke:  # a few simulated SMs
         config = dataclasses.replace(config, num_sms=4)
+      # The module's entry point trusts its caller (the api) to have asked this.
+      reason = module.unsupported_reason(*variants[0], *layer.weights, config=config)
+      if reason is not None:
+        raise ValueError(
+          f"the {label} module cannot serve {layer.name} (I = {intermediate}) at {num_tokens} "
+          f"tokens: {reason}"
+        )
       configs[label] = dataclasses.asdict(config)
 
       def call(variant, w_gate, w_up, w_down, module=module, config=config):

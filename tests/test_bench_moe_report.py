@@ -215,6 +215,14 @@ def test_against_tells_equal_modules_from_different_ones_in_interpret_mode(
   assert f"| tiny | 5 | 128 | {'NO' if doubled else 'yes'} |" in text
 
 
+def test_against_refuses_a_shape_the_kernels_cannot_serve_before_compiling():
+  from jaxspec.kernels.routed_experts import mosaic_gpu
+
+  layer = make_layer("tiny", 8, 128, 96)  # I = 96: no multiple of the 64-wide K block
+  with pytest.raises(ValueError, match=r"the baseline module cannot serve tiny \(I = 96\)"):
+    against(np.random.default_rng(0), layer, mosaic_gpu, (5,), [], lambda: None, smoke=True)
+
+
 @pytest.mark.parametrize(
   ("argv", "message"),
   [
