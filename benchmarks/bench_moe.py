@@ -63,6 +63,7 @@ from benchmarks._timing import (  # noqa: E402
   time_jax,
   time_torch,
 )
+from jaxspec.kernels.dispatch import device_num_sms  # noqa: E402
 from jaxspec.kernels.routed_experts import mosaic_gpu  # noqa: E402
 from jaxspec.kernels.routed_experts.api import routed_experts  # noqa: E402
 from jaxspec.kernels.routed_experts.mosaic_gpu import TuningConfig  # noqa: E402
@@ -432,6 +433,12 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
       split_m, warpgroup_split="n", transposed_tiles=True, block_n_down=256, num_stages=3
     )
     grid += [dict(transposed, block_m=rows, epilogue_n=64) for rows in (136, 144, 152, 184)]
+    # One-warpgroup kernels with a two-stage ring, once and twice as many CTAs as SMs: both fit
+    # twice in an SM's registers and shared memory (sm_90a: 215 and 154 registers, 82 and 98 KB
+    # at GLM-4.5-Air), so with two an SM the hardware can run one CTA's epilogue under the
+    # other's wgmmas, the overlap a ping-pong kernel schedules by hand.
+    one_warpgroup = dict(block_m=128, block_n_gate_up=64, block_n_down=128, num_stages=2)
+    grid += [dict(one_warpgroup, num_sms=ctas * device_num_sms()) for ctas in (1, 2)]
   return [TuningConfig(**changes) for changes in grid]
 
 
@@ -976,7 +983,9 @@ def render_markdown(meta, rows, breakdowns, tuning, comparisons=()):
       "| --- | --- | --- | --- | --- |",
     ]
     for entry in sorted(tuning, key=lambda e: e["tokens"]):  # stable: run order within a count
-      config = ", ".join(f"{k}={v}" for k, v in entry["config"].items() if k != "num_sms")
+      config = ", ".join(
+        f"{k}={v}" for k, v in entry["config"].items() if not (k == "num_sms" and v is None)
+      )
       mark = " (default)" if entry.get("default") else ""
       result = f"{entry['us']:.0f}" if "us" in entry else "fails"
       peak = entry.get("peak_bytes")

@@ -236,3 +236,27 @@ def test_against_options_are_checked_before_any_work(monkeypatch, capsys, argv, 
   with pytest.raises(SystemExit):
     bench_moe.main()
   assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_tokens", [64, 2048])
+def test_every_tuning_config_serves_glm_4_5_air(num_tokens):
+  from jaxspec.kernels.routed_experts import mosaic_gpu
+
+  experts, hidden, intermediate = SHAPES["GLM-4.5-Air"]
+  w = jax.ShapeDtypeStruct((experts, hidden, intermediate), DTYPE)
+  for config in bench_moe.tuning_configs(num_tokens):
+    assert mosaic_gpu.unsupported_reason(None, None, None, w, w, None, config=config) is None
+
+
+def test_the_sweep_tries_one_warpgroup_kernels_at_one_and_two_ctas_an_sm(results):
+  from jaxspec.kernels.dispatch import device_num_sms
+
+  pair = [c for c in bench_moe.tuning_configs(2048) if c.num_sms is not None]
+  assert [c.num_sms for c in pair] == [device_num_sms(), 2 * device_num_sms()]
+  assert dataclasses.replace(pair[0], num_sms=None) == dataclasses.replace(pair[1], num_sms=None)
+  entries = [
+    {"shape": "GLM-4.5-Air", "tokens": 2048, "config": dataclasses.asdict(c), "us": 1.0}
+    for c in pair
+  ]
+  text = render_markdown(results["meta"], [], [], entries)
+  assert f"num_sms={2 * device_num_sms()}" in text and f"num_sms={device_num_sms()}" in text
