@@ -25,6 +25,8 @@ from benchmarks.bench_moe import (
   make_layer,
   render_markdown,
 )
+from jaxspec.kernels.dispatch import device_num_sms
+from jaxspec.kernels.routed_experts import mosaic_gpu
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -188,8 +190,6 @@ def routed_experts_mosaic_gpu(*args, **kwargs):
 def test_against_tells_equal_modules_from_different_ones_in_interpret_mode(
   tmp_path, results, doubled
 ):
-  from jaxspec.kernels.routed_experts import mosaic_gpu
-
   path = pathlib.Path(mosaic_gpu.__file__)
   if doubled:  # the installed kernels with every output doubled
     path = tmp_path / "doubled.py"
@@ -216,8 +216,6 @@ def test_against_tells_equal_modules_from_different_ones_in_interpret_mode(
 
 
 def test_against_refuses_a_shape_the_kernels_cannot_serve_before_compiling():
-  from jaxspec.kernels.routed_experts import mosaic_gpu
-
   layer = make_layer("tiny", 8, 128, 96)  # I = 96: no multiple of the 64-wide K block
   with pytest.raises(ValueError, match=r"the baseline module cannot serve tiny \(I = 96\)"):
     against(np.random.default_rng(0), layer, mosaic_gpu, (5,), [], lambda: None, smoke=True)
@@ -240,8 +238,6 @@ def test_against_options_are_checked_before_any_work(monkeypatch, capsys, argv, 
 
 @pytest.mark.parametrize("num_tokens", [64, 2048])
 def test_every_tuning_config_serves_glm_4_5_air(num_tokens):
-  from jaxspec.kernels.routed_experts import mosaic_gpu
-
   experts, hidden, intermediate = SHAPES["GLM-4.5-Air"]
   w = jax.ShapeDtypeStruct((experts, hidden, intermediate), DTYPE)
   for config in bench_moe.tuning_configs(num_tokens):
@@ -249,8 +245,6 @@ def test_every_tuning_config_serves_glm_4_5_air(num_tokens):
 
 
 def test_the_sweep_tries_one_warpgroup_kernels_at_one_and_two_ctas_an_sm(results):
-  from jaxspec.kernels.dispatch import device_num_sms
-
   pair = [c for c in bench_moe.tuning_configs(2048) if c.num_sms is not None]
   assert [c.num_sms for c in pair] == [device_num_sms(), 2 * device_num_sms()]
   assert dataclasses.replace(pair[0], num_sms=None) == dataclasses.replace(pair[1], num_sms=None)
