@@ -114,8 +114,7 @@ CASES = {
     TuningConfig(warpgroups=2, block_n_gate_up=128, block_n_down=128, num_sms=3),
   ),
   "two_warpgroups_split_m": (75, 2, 8, 64, 128, _skewed_ids, SMALL_SPLIT_M),
-  # Each warpgroup's output tile staged in 64-column pieces: two for gate/up, four for down,
-  # alternating between two staging tiles; the second warpgroup has no rows of most tiles.
+  # Each warpgroup's output tile staged in 64-column pieces: two for gate/up, four for down.
   "two_warpgroups_epilogue_pieces": (
     75,
     2,
@@ -127,8 +126,7 @@ CASES = {
   ),
   # Tiles of 24 rows (not a power of two) as the wgmma N dimension, the weight columns split
   # over two consumer warpgroups; the skewed expert fills several tiles. Then 40-row tiles with
-  # each warpgroup's output staged in 64-column pieces: one for gate/up (one staging tile), two
-  # for down (two staging tiles).
+  # each warpgroup's output staged in 64-column pieces.
   "transposed_tiles_24_rows": (
     75,
     2,
@@ -350,31 +348,6 @@ def test_tuning_config_is_validated():
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
-
-
-TRANSPOSED_112_ROWS = TuningConfig(
-  block_m=112, block_n_down=256, warpgroups=2, transposed_tiles=True, epilogue_n=64
-)
-
-
-@pytest.mark.parametrize(
-  ("config", "block_n", "num_rhs", "want"),
-  [
-    (TuningConfig(block_n_down=256), 256, 1, 1),  # one warpgroup stages its whole tile
-    (TuningConfig(block_m=128, warpgroups=2, warpgroup_split="m"), 128, 2, 1),  # one piece
-    # GLM-4.5-Air's 8192-token config: down in two pieces (220160 of 232448 bytes), gate/up in one
-    (mosaic_gpu.default_config(8192, 8, 128, 4096, 1408), 256, 1, 2),
-    (mosaic_gpu.default_config(8192, 8, 128, 4096, 1408), 128, 2, 1),
-    # Two pieces, but with a fourth ring stage only one 112 x 64 tile per warpgroup fits.
-    (TRANSPOSED_112_ROWS, 256, 1, 1),
-    (dataclasses.replace(TRANSPOSED_112_ROWS, num_stages=3), 256, 1, 2),
-  ],
-)
-def test_staging_slots_double_the_tile_where_the_pieces_pair_up_and_fit(
-  config, block_n, num_rhs, want
-):
-  assert mosaic_gpu.staging_slots(config, block_n, num_rhs, itemsize=2) == want
-  assert mosaic_gpu._smem_bytes(config, block_n, num_rhs, 2, slots=want) <= mosaic_gpu.SMEM_BYTES
 
 
 @pytest.mark.parametrize(

@@ -427,31 +427,13 @@ def decode_config(
   )
 
 
-def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize, slots: int = 1) -> int:
-  """The ring of ``config.num_stages`` (lhs, rhs...) blocks and ``slots`` output staging tiles
-  per warpgroup, all of ``itemsize`` bytes (both kernels store the weights' dtype)."""
+def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize) -> int:
+  """The ring of ``config.num_stages`` (lhs, rhs...) blocks and the output staging tile(s), all
+  of ``itemsize`` bytes (both kernels store the weights' dtype)."""
   block_m, block_k = config.block_m, config.block_k
   ring = config.num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
   rows, columns = config.epilogue_shape(block_n)
-  return ring + config.warpgroups * slots * rows * columns * itemsize
-
-
-def staging_slots(config: TuningConfig, block_n, num_rhs, itemsize) -> int:
-  """Output staging tiles per consumer warpgroup of the warp-specialised kernel: 2 where the
-  warpgroup stores its block in an even number of ``epilogue_n`` pieces and both tiles fit in
-  shared memory, else 1.
-
-  With one tile, each piece waits until the previous piece's TMA stores have read the tile
-  before it writes its own. With two, piece p waits only for piece p - 2's (the stores of piece
-  p - 1 stay in flight while p is written); an even count keeps that alternation across work
-  items, since every item's first piece then takes slot 0 and its last slot 1.
-  """
-  if config.warpgroups == 1:
-    return 1
-  columns = config.accumulator_shape(block_n)[1]
-  pieces = columns // config.epilogue_shape(block_n)[1]
-  fits = _smem_bytes(config, block_n, num_rhs, itemsize, slots=2) <= SMEM_BYTES
-  return 2 if pieces % 2 == 0 and fits else 1
+  return ring + config.warpgroups * rows * columns * itemsize
 
 
 def unsupported_reason(
@@ -623,8 +605,7 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
   """Copies the first ``rows`` rows of ``out_smem`` to ``out_ref[row_start:, columns]``.
 
   ``rows`` (a multiple of 8, at most ``max_rows``) is only known on the device, and a TMA copy
-  has a static shape: one copy per set bit of ``rows``, largest first (jax's ragged_dot_mgpu),
-  all committed as one bulk async-group (so ``wait_smem_to_gmem(n)`` counts whole stores).
+  has a static shape: one copy per set bit of ``rows``, largest first (jax's ragged_dot_mgpu).
   The offsets are multiples of 8, whole rows of the staging tile's (8, 64) tiling: Mosaic GPU's
   layout inference gives ``out_smem`` that tiling and a 128-byte swizzle, and the epilogue writes
   it with ``stmatrix`` (both kernels at GLM-4.5-Air's 8192-token config, compiled for sm_90a by
@@ -640,12 +621,10 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
       plgpu.copy_smem_to_gmem(  # runs at once, with this iteration's offset and size
         out_smem.at[pl.ds(offset, size)],  # noqa: B023
         out_ref.at[pl.ds(row_start + offset, size), columns],  # noqa: B023
-        commit_group=False,
       )
 
     offset = offset + part
     size //= 2
-  plgpu.commit_smem_to_gmem_group()
 
 
 def _grouped_matmul(
@@ -757,7 +736,6 @@ def _grouped_matmul(
   wg_rows, wg_cols = config.accumulator_shape(block_n)  # with two consumer warpgroups
   acc_shape = (wg_cols, wg_rows) if transposed else (wg_rows, wg_cols)
   epi_cols = config.epilogue_shape(block_n)[1]
-  slots = staging_slots(config, block_n, len(rhs), jnp.dtype(out_dtype).itemsize)
 
   def warp_specialized(num_tiles_ref, table_ref, lhs_row_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
@@ -785,7 +763,7 @@ def _grouped_matmul(
     @functools.partial(
       pl.run_scoped,
       allocations=allocations,
-      out_smem=plgpu.SMEM((2, slots, wg_rows, epi_cols), out_dtype),
+      out_smem=plgpu.SMEM((2, wg_rows, epi_cols), out_dtype),
       collective_axes="wg",
     )
     def _scope(allocations, out_smem):
@@ -810,23 +788,17 @@ def _grouped_matmul(
             else:  # this warpgroup's columns
               own_rows, first_row = rows, row_start
               first_column = n_block * block_n + wg * wg_cols
-
-            # A warpgroup with no rows of the tile commits no store groups, so every group
-            # counted below holds copies (the interpreter's wait counts copies, not groups).
-            @pl.when(own_rows > 0)
-            def _store():
-              for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
-                piece_columns = slice(piece * epi_cols, (piece + 1) * epi_cols)
-                tile = out_smem.at[wg, piece % slots]
-                # The stores that last read this tile (``slots`` groups back) must be done.
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                if transposed:  # [columns, rows] registers into the [rows, columns] tile
-                  tile.transpose((1, 0))[...] = result[piece_columns]
-                else:
-                  tile[...] = result[:, piece_columns]
-                plgpu.commit_smem()
-                columns = pl.ds(first_column + piece * epi_cols, epi_cols)
-                _store_rows(tile, out_ref, own_rows, first_row, columns, wg_rows)
+            for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
+              piece_columns = slice(piece * epi_cols, (piece + 1) * epi_cols)
+              # The previous piece's (or item's) copies must have read the staging tile.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              if transposed:  # [columns, rows] registers into the [rows, columns] tile
+                out_smem.at[wg].transpose((1, 0))[...] = result[piece_columns]
+              else:
+                out_smem[wg] = result[:, piece_columns]
+              plgpu.commit_smem()
+              columns = pl.ds(first_column + piece * epi_cols, epi_cols)
+              _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
 
         def body(_, lhs_smem, *rhs_smems_and_accs):
           *rhs_smems, acc_refs = rhs_smems_and_accs
