@@ -716,8 +716,6 @@ def main():
 
   if args.smoke:
     shapes, token_counts = SMOKE_SHAPES, SMOKE_TOKENS
-    if args.against and args.intermediate:
-      shapes = {name: (e, h, args.intermediate) for name, (e, h, _) in shapes.items()}
     ceilings = {
       "read_tbps": measure_read_bandwidth(1 << 20),
       "matmul_tflops": measure_matmul_rate(256),
@@ -728,12 +726,12 @@ def main():
     shapes, token_counts = SHAPES, args.tokens or default_tokens
     if args.shapes:
       shapes = {name: SHAPES[name] for name in args.shapes}
-    if args.intermediate:
-      shapes = {name: (e, h, args.intermediate) for name, (e, h, _) in shapes.items()}
     if args.tune_only:  # the sweep runs on GLM-4.5-Air alone
       shapes = {"GLM-4.5-Air": SHAPES["GLM-4.5-Air"]}
     ceilings = {"read_tbps": measure_read_bandwidth(), "matmul_tflops": measure_matmul_rate()}
     contenders = ("ours", "xla", "per_route", "torch_grouped_mm")
+  if args.intermediate is not None:  # --against only (checked above)
+    shapes = {name: (e, h, args.intermediate) for name, (e, h, _) in shapes.items()}
   print(f"ceilings: {ceilings}", flush=True)
   meta = {
     "gpu": jax.devices()[0].device_kind,
