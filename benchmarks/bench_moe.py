@@ -436,7 +436,8 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
     # One-warpgroup kernels with a two-stage ring, once and twice as many CTAs as SMs: both fit
     # twice in an SM's registers and shared memory (sm_90a: 215 and 154 registers, 82 and 98 KB
     # at GLM-4.5-Air), so with two an SM the hardware can run one CTA's epilogue under the
-    # other's wgmmas, the overlap a ping-pong kernel schedules by hand.
+    # other's wgmmas, the overlap a ping-pong kernel schedules by hand. On an H100 the second CTA
+    # gained 1.5x, yet both stayed 1.2-1.4x slower than the default (NOTES_routed_experts.md).
     one_warpgroup = dict(block_m=128, block_n_gate_up=64, block_n_down=128, num_stages=2)
     grid += [dict(one_warpgroup, num_sms=ctas * device_num_sms()) for ctas in (1, 2)]
   return [TuningConfig(**changes) for changes in grid]
