@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxspec.kernels.dispatch import INTERPRET_POOL_THREADS
 from jaxspec.testing import appended_xla_flags
 
 # One persistent compilation cache for the whole run, in a temporary directory: the
@@ -61,16 +62,11 @@ FAST_COMPILE_FLAGS = (
 if not _gpu_plugin_installed():
   os.environ["XLA_FLAGS"] = appended_xla_flags(*FAST_COMPILE_FLAGS)
 
-# GPU interpret mode runs each simulated warpgroup (and each warp of a warp region) as a host
-# thread executing its own XLA program, whose Python callbacks, barrier waits among them, run on
-# the CPU client's intra-op thread pool; that pool has one thread per core. On a 2-core machine
-# two consumer warpgroups waiting at a barrier can hold both threads while the producer that
-# would release them waits for one, and the test hangs until its timeout (pinned to one core,
-# two of the decode-attention two-warpgroup cases hung in 7 of 8 runs). XLA sizes the pool from
-# `PJRT_NPROC` when the backend starts; 16 threads cover the most our kernels block at once
-# (the launching callback, two consumer warpgroups, a producer and its four warps), and
-# the same 8 runs all passed with them.
-INTERPRET_POOL_THREADS = 16
+# GPU interpret mode can hang when XLA's CPU pool, one thread per core by default, has fewer
+# threads than a kernel's simulated warpgroups block at once (`INTERPRET_POOL_THREADS`): on a
+# 2-core machine, and pinned to one core two decode-attention cases hung in 7 of 8 runs and
+# passed in 8 of 8 with the pool sized. XLA reads `PJRT_NPROC` when the backend starts; the
+# subprocesses and notebook kernels that tests start inherit it.
 os.environ.setdefault("PJRT_NPROC", str(max(INTERPRET_POOL_THREADS, os.cpu_count() or 1)))
 
 

@@ -18,13 +18,17 @@ Backends are named ``<op>_reference`` and ``<op>_mosaic_gpu``. The choice rule (
 * ``impl="auto"``: the kernel on a Hopper GPU (compute capability 9.x) or with
   ``interpret=True`` when it can serve the inputs, the reference otherwise.
 
-``interpret=True`` runs the kernel through Pallas' GPU interpreter on any backend.
+``interpret=True`` runs the kernel through Pallas' GPU interpreter on any backend, with an
+``InterpretPoolWarning`` where XLA's CPU thread pool may be too small for it
+(``interpret_pool_threads``).
 Kernels that size their grid from the GPU read the SM count through ``num_sms``: a
 ``TuningConfig.num_sms`` when given (tests use small ones), else the device's.
 """
 
 import dataclasses
 import functools
+import os
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -34,6 +38,17 @@ Impl = Literal["auto", "pallas", "xla"]
 IMPLS = ("auto", "pallas", "xla")
 # The SM count of an H100 / H200 SXM, used where no GPU can be asked (GPU interpret mode).
 HOPPER_NUM_SMS = 132
+# GPU interpret mode runs each simulated warpgroup (and each warp of a warp region) as a host
+# thread executing its own XLA program, whose callbacks, barrier waits among them, run on the CPU
+# client's intra-op thread pool. When waiting threads hold every pool thread, the one that would
+# release them gets none and the kernel hangs: on 2 cores, and pinned to one core two of the
+# decode-attention two-warpgroup cases hung in 7 of 8 runs. Our kernels block at most 8 at once
+# (the launching callback, two consumer warpgroups, a producer and its four warps).
+INTERPRET_POOL_THREADS = 16
+
+
+class InterpretPoolWarning(UserWarning):
+  """GPU interpret mode with fewer CPU pool threads than ``INTERPRET_POOL_THREADS``."""
 
 
 @functools.cache
@@ -65,6 +80,34 @@ def gpu_device_kind() -> str | None:
 def num_sms(config_value: int | None) -> int:
   """A config's ``num_sms`` when set, else the device's (see ``device_num_sms``)."""
   return device_num_sms() if config_value is None else config_value
+
+
+def interpret_pool_threads() -> int:
+  """The threads of XLA's CPU intra-op pool as XLA sizes it when the CPU backend starts:
+  ``PJRT_NPROC``, else ``NPROC``, when set to an integer, else the cores this process may use.
+  Read from the environment now, so a variable changed after jax started is not seen."""
+  for name in ("PJRT_NPROC", "NPROC"):
+    try:
+      return max(0, int(os.environ[name]))
+    except (KeyError, ValueError):
+      continue
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+def warn_if_interpret_pool_small() -> None:
+  """``InterpretPoolWarning`` when ``interpret_pool_threads`` is below
+  ``INTERPRET_POOL_THREADS``, saying how to raise it."""
+  threads = interpret_pool_threads()
+  if threads < INTERPRET_POOL_THREADS:
+    warnings.warn(
+      f"GPU interpret mode with {threads} threads in XLA's CPU pool: a kernel whose simulated "
+      "warpgroups wait at barriers can hold them all and hang. Start Python with "
+      f"PJRT_NPROC={INTERPRET_POOL_THREADS} (read when jax starts its CPU backend).",
+      InterpretPoolWarning,
+      stacklevel=4,
+    )
 
 
 def check_impl(impl: str, interpret: bool) -> None:
@@ -125,6 +168,8 @@ class KernelOp:
         config = self.default_config(*arrays, **static)
       reason = self.unsupported_reason(*arrays, config=config, **static)
       if reason is None:
+        if interpret:
+          warn_if_interpret_pool_small()
         return self.kernel(*arrays, config=config, interpret=interpret, **static)
       if impl == "pallas":
         raise ValueError(f"{self.name}: impl='pallas' cannot serve these inputs: {reason}")
