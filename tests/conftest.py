@@ -62,11 +62,9 @@ FAST_COMPILE_FLAGS = (
 if not _gpu_plugin_installed():
   os.environ["XLA_FLAGS"] = appended_xla_flags(*FAST_COMPILE_FLAGS)
 
-# GPU interpret mode can hang when XLA's CPU pool, one thread per core by default, has fewer
-# threads than a kernel's simulated warpgroups block at once (`INTERPRET_POOL_THREADS`): on a
-# 2-core machine, and pinned to one core two decode-attention cases hung in 7 of 8 runs and
-# passed in 8 of 8 with the pool sized. XLA reads `PJRT_NPROC` when the backend starts; the
-# subprocesses and notebook kernels that tests start inherit it.
+# Interpreted kernels can hang on a CPU pool of one thread per core (`INTERPRET_POOL_THREADS`
+# says why); XLA sizes the pool from `PJRT_NPROC` when the backend starts, and the subprocesses
+# and notebook kernels that tests start inherit it.
 os.environ.setdefault("PJRT_NPROC", str(max(INTERPRET_POOL_THREADS, os.cpu_count() or 1)))
 
 

@@ -41,9 +41,11 @@ HOPPER_NUM_SMS = 132
 # GPU interpret mode runs each simulated warpgroup (and each warp of a warp region) as a host
 # thread executing its own XLA program, whose callbacks, barrier waits among them, run on the CPU
 # client's intra-op thread pool. When waiting threads hold every pool thread, the one that would
-# release them gets none and the kernel hangs: on 2 cores, and pinned to one core two of the
-# decode-attention two-warpgroup cases hung in 7 of 8 runs. Our kernels block at most 8 at once
-# (the launching callback, two consumer warpgroups, a producer and its four warps).
+# release them gets none and the kernel hangs. The pool has one thread per core unless
+# `PJRT_NPROC` sizes it (`interpret_pool_threads`): pinned to one core, two of the
+# decode-attention two-warpgroup cases hung in 7 of 8 runs, and in none of 8 with 8 threads. Our
+# kernels block at most 8 at once (the launching callback, two consumer warpgroups, a producer and
+# its four warps).
 INTERPRET_POOL_THREADS = 16
 
 
