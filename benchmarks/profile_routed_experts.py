@@ -33,10 +33,15 @@ from benchmarks.bench_moe import (  # noqa: E402
 from jaxspec.kernels.routed_experts import mosaic_gpu  # noqa: E402
 
 
+def shape_dims(shape: str) -> tuple[int, int, int]:
+  """(E, H, I) of a shape of ``bench_moe.py``'s, the smoke one included."""
+  return {**SHAPES, **SMOKE_SHAPES}[shape]
+
+
 def kernels_per_call(shape: str, num_tokens: int) -> int:
   """Pallas kernels one call launches with ``default_config``: a gate/up kernel per memory part
   and a down kernel per column range."""
-  num_experts, hidden, intermediate = {**SHAPES, **SMOKE_SHAPES}[shape]
+  num_experts, hidden, intermediate = shape_dims(shape)
   config = mosaic_gpu.default_config(num_tokens, TOP_K, num_experts, hidden, intermediate)
   return 2 * config.memory_parts
 
@@ -63,7 +68,7 @@ def main(argv: list[str]) -> None:
   if args.kernels:
     print(kernels)
     return
-  num_experts, hidden, intermediate = {**SHAPES, **SMOKE_SHAPES}[args.shape]
+  num_experts, hidden, intermediate = shape_dims(args.shape)
   layer = make_layer(args.shape, num_experts, hidden, intermediate)
   (variant,) = fresh_inputs(np.random.default_rng(0), args.tokens, num_experts, hidden, 1)
   call = jax.jit(jax_contender("pallas", interpret=args.smoke))
