@@ -345,6 +345,8 @@ def test_tuning_config_is_validated():
       {"transposed_tiles": True, "warpgroups": 2, "block_n_down": 256, "block_m": 264},
       "block_m must be a multiple of 8 up to 256",
     ),
+    ({"gather_in_kernel": True}, "gather_in_kernel needs warpgroups=2"),
+    ({"gather_prefetch_steps": -1}, "gather_prefetch_steps must be at least 0"),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -493,6 +495,36 @@ def test_default_config_bounds_routes_per_memory_part(
   assert hidden % (parts * config.block_n_down) == 0
 
 
+@pytest.mark.parametrize(
+  ("num_tokens", "num_experts", "hidden", "intermediate", "gathers"),
+  [
+    (384, 128, 4096, 1408, False),  # decode tiles: one warpgroup
+    (896, 128, 4096, 1408, True),  # the first prefill size, 128-row tiles
+    (2048, 128, 4096, 1408, True),  # transposed tiles of 144 rows
+    (2048, 160, 5120, 1536, True),
+    (2049, 128, 4096, 1408, False),  # two memory parts: x no longer copied in the kernel
+    (8192, 160, 5120, 1536, False),
+    (2048, 8, 384, 256, True),  # PREFILL_CONFIG_N128: a 4-deep ring, still within shared memory
+  ],
+)
+def test_default_config_gathers_in_the_kernel_up_to_one_memory_part(
+  num_tokens, num_experts, hidden, intermediate, gathers
+):
+  config = mosaic_gpu.default_config(num_tokens, 8, num_experts, hidden, intermediate)
+  assert config.gather_in_kernel == gathers
+  assert gathers == (config.warpgroups == 2 and config.memory_parts == 1)
+  shapes = [
+    ((num_tokens, hidden), jnp.bfloat16),
+    ((num_tokens, 8), jnp.int32),
+    ((num_tokens, 8), jnp.float32),
+    ((num_experts, hidden, intermediate), jnp.bfloat16),
+    ((num_experts, hidden, intermediate), jnp.bfloat16),
+    ((num_experts, intermediate, hidden), jnp.bfloat16),
+  ]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # no memory needed
+  assert mosaic_gpu.unsupported_reason(*args, config=config) is None
+
+
 def test_kernel_refuses_what_it_cannot_serve_and_auto_falls_back():
   x, ids, weights, w_gate, w_up, w_down = make_inputs(np.random.default_rng(3), 2, 2, 8, 64, 96)
   # I = 96 is no multiple of the 64-wide blocks.
@@ -614,6 +646,41 @@ def test_gather_rows_moves_rows_bit_for_bit(dtype, padding):
   want = np.asarray(x)[np.maximum(route_of_row, 0) // top_k]
   want[route_of_row < 0] = padding
   np.testing.assert_array_equal(np.asarray(xs).view(np.uint16), want.view(np.uint16))
+
+
+# Two-warpgroup cases whose gate/up kernel also runs with the rows of x copied in the kernel:
+# split by rows, transposed tiles of 24 rows, and the down kernel in column ranges.
+GATHER_CASES = [
+  "two_warpgroups_split_m",
+  "transposed_tiles_24_rows",
+  "two_warpgroups_memory_parts_2",
+]
+
+
+def _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret):
+  # The same rows in the same order reach the same wgmmas: bit for bit the result of the kernel
+  # that reads a gathered xs. NaN padding rows come from an extra row of x, zero ones from
+  # zero-filled copies (on the GPU; the interpreter writes the padding value).
+  args, config = case_inputs(name)
+  if not interpret:
+    config = dataclasses.replace(config, num_sms=None)
+  gathering, from_xs = (
+    mosaic_gpu.routed_experts_mosaic_gpu(
+      *args,
+      config=dataclasses.replace(config, gather_in_kernel=gather),
+      interpret=interpret,
+      padding_value=padding,
+    )
+    for gather in (True, False)
+  )
+  assert_close(gathering, numpy_oracle(*args))
+  np.testing.assert_array_equal(np.asarray(gathering, np.float32), np.asarray(from_xs, np.float32))
+
+
+@pytest.mark.parametrize("name", GATHER_CASES)
+def test_gather_in_kernel_interpret_matches_float64_and_the_xs_kernel(name):
+  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, float("nan"), interpret=True)
+  assert not races_found()
 
 
 GLM_SHAPES = {"glm45_air": (128, 4096, 1408), "glm45": (160, 5120, 1536)}
@@ -810,3 +877,25 @@ def test_tuning_configs_on_gpu_match_xla(config):
 @pytest.mark.parametrize("name", TWO_WARPGROUP_CASES)
 def test_two_warpgroup_cases_on_gpu_match_float64(name):
   _gpu_matches_float64_with_nan_padding(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padding", [float("nan"), 0.0])
+@pytest.mark.parametrize("name", GATHER_CASES)
+def test_gather_in_kernel_on_gpu_matches_float64_and_the_xs_kernel(name, padding):
+  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+  ("shape", "num_tokens"),
+  [("glm45_air", 896), ("glm45_air", 2048), ("glm45_air", 8192), ("glm45", 8192)],
+)
+def test_gather_in_kernel_on_gpu_gives_the_default_result_bit_for_bit(shape, num_tokens):
+  args = glm_inputs(shape, num_tokens)
+  config = mosaic_gpu.default_config(num_tokens, 8, *GLM_SHAPES[shape])
+  gathering = routed_experts(
+    *args, impl="pallas", config=dataclasses.replace(config, gather_in_kernel=True)
+  )
+  default = routed_experts(*args, impl="pallas", config=config)
+  np.testing.assert_array_equal(np.asarray(gathering, np.float32), np.asarray(default, np.float32))

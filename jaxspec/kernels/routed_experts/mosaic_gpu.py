@@ -19,7 +19,10 @@ device-side tile table of tokamax's Mosaic GPU ragged_dot):
    (12 us) at one token.
 2. Kernel ``gate_up``: one pass over ``w_gate[e]`` and ``w_up[e]`` per (tile, N block of I):
    two wgmma accumulators over the same ``xs`` tile, ``silu(g) * u`` in the epilogue, rounded to
-   the weights' dtype, stored as ``act [rows + block_m, I]``.
+   the weights' dtype, stored as ``act [rows + block_m, I]``. With
+   ``TuningConfig.gather_in_kernel`` (the default up to one memory part, below) there is no
+   ``xs``: the kernel's producer warpgroup copies each tile's rows of ``x`` by token with
+   ``cp.async``, 16 bytes a thread, into the same swizzled ring slots the TMA would fill.
 3. Kernel ``down``: ``act`` tile @ ``w_down[e]`` per (tile, N block of H), rounded to the
    weights' dtype, ``y [rows, H]``.
 4. Combine, in XLA: ``out[t] = sum_j weights[t, j] * y[row of (t, j)]`` in float32; one fused
@@ -83,6 +86,9 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.mosaic import gpu as mgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref
 
 from jaxspec.kernels.dispatch import num_sms, validate_config_fields
 from jaxspec.kernels.routed_experts.reference import combine_routes
@@ -118,6 +124,13 @@ COUNT_BLOCK_ROUTES = 256
 # place); at 2048 tokens (16384 routes, one part) 2 parts cost 10% and saved no memory (4.65 GB
 # either way).
 MAX_ROUTES_PER_PART = 16384
+# Tokens a gathering gate/up kernel stages per tile (a multiple of the warpgroup's 128 threads
+# that holds MAX_WGMMA_N rows, so one vector load of the token array fills it).
+TOKEN_SLOTS = 256
+# Registers per thread of the producer warpgroup in the gathering gate/up kernel, and of each of
+# its two consumer warpgroups (what emit_pipeline_warp_specialized gives with 40 for the producer).
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +164,15 @@ class TuningConfig:
       gate/up kernel runs over this many parts of the tile table, each reading its own slice of
       ``xs``, into one ``act``; the down kernel and the combine run over this many column ranges
       of H. 1 runs each kernel once over everything.
+    gather_in_kernel: the gate/up kernel's producer warpgroup copies the tiles' rows of ``x``
+      by token into its ring with ``cp.async`` (``_copy_rows_async``) instead of TMA copies of a
+      gathered ``xs``: no XLA gather and no ``xs``, and the gate/up kernel runs once over the
+      whole table whatever ``memory_parts`` (which then splits only the down kernel and the
+      combine). Needs ``warpgroups=2``.
+    gather_prefetch_steps: with ``gather_in_kernel``, how many K steps ahead of its copies the
+      producer asks the L2 for the same rows (``prefetch.global.L2``; 0: not at all), so that
+      the copies find rows of ``x`` that L2 does not hold (at 8192 tokens ``x`` is larger than
+      the L2) already on their way.
   """
 
   block_m: int = 64
@@ -164,6 +186,8 @@ class TuningConfig:
   num_sms: int | None = None
   transposed_tiles: bool = False
   memory_parts: int = 1
+  gather_in_kernel: bool = False
+  gather_prefetch_steps: int = 0
 
   def __post_init__(self):
     fields = (
@@ -209,6 +233,14 @@ class TuningConfig:
             f"TuningConfig.warpgroup_split='n' needs {name} to be a multiple of 128 (64 columns "
             f"per warpgroup at least), got {getattr(self, name)}"
           )
+    if self.gather_prefetch_steps < 0:
+      raise ValueError(
+        f"TuningConfig.gather_prefetch_steps must be at least 0, got {self.gather_prefetch_steps}"
+      )
+    if self.gather_in_kernel and self.warpgroups != 2:
+      raise ValueError(
+        "TuningConfig.gather_in_kernel needs warpgroups=2 (a producer warpgroup copies the rows)"
+      )
     if self.epilogue_n is not None:
       if self.warpgroups != 2:
         raise ValueError(
@@ -320,13 +352,26 @@ def default_config(
   routed-row buffers stay under that many rows of H at any chunk size): at GLM-4.5-Air's shapes
   and 8192 tokens 4 parts cost 8% of the time and keep the layer's peak under 4 x its
   activations plus its weights (5.30 -> 4.89 GB; ``memory_parts=1`` buys the time back).
+
+  Up to ``MAX_ROUTES_PER_PART`` routes (one memory part) the gate/up kernel copies the rows of
+  ``x`` itself (``gather_in_kernel``), where the shared memory allows: on an H100, one process,
+  outputs bit for bit equal, GLM-4.5-Air 1806 -> 1658 us and GLM-4.5 2866 -> 2663 us at 2048
+  tokens (the XLA gather gone, and the gate/up kernel faster too: 1108 -> 1011 us). At 8192
+  tokens the same kernel took 4269 -> 4700 us (GLM-4.5-Air) and 6166 -> 6350 us (GLM-4.5): its
+  gate/up kernel 2254 -> 2900 us, where ``x`` (67 MB) no longer fits the L2.
   """
   config = prefill_config(hidden, intermediate)
   if config is None or num_tokens * top_k < PREFILL_ROUTES_PER_EXPERT * num_experts:
     return decode_config(num_tokens, top_k, num_experts, hidden, intermediate)
   parts = memory_parts(num_tokens * top_k, hidden // config.block_n_down)
-  config = dataclasses.replace(config, memory_parts=parts)
-  return prefill_tile_rows(config, num_tokens, top_k, num_experts)
+  config = prefill_tile_rows(
+    dataclasses.replace(config, memory_parts=parts), num_tokens, top_k, num_experts
+  )
+  gathering = dataclasses.replace(config, gather_in_kernel=True)
+  smem = _smem_bytes(gathering, config.block_n_gate_up, 2, 2, True)  # 16-bit gate and up
+  if parts == 1 and smem <= SMEM_BYTES:
+    return gathering
+  return config
 
 
 def prefill_config(hidden: int, intermediate: int) -> TuningConfig | None:
@@ -427,13 +472,15 @@ def decode_config(
   )
 
 
-def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize) -> int:
+def _smem_bytes(config: TuningConfig, block_n, num_rhs, itemsize, gathered: bool) -> int:
   """The ring of ``config.num_stages`` (lhs, rhs...) blocks and the output staging tile(s), all
-  of ``itemsize`` bytes (both kernels store the weights' dtype)."""
+  of ``itemsize`` bytes (both kernels store the weights' dtype); a ``gathered`` lhs adds the
+  tile's int32 tokens."""
   block_m, block_k = config.block_m, config.block_k
   ring = config.num_stages * (block_m * block_k + num_rhs * block_k * block_n) * itemsize
+  tokens = TOKEN_SLOTS * 4 if gathered else 0
   rows, columns = config.epilogue_shape(block_n)
-  return ring + config.warpgroups * rows * columns * itemsize
+  return ring + tokens + config.warpgroups * rows * columns * itemsize
 
 
 def unsupported_reason(
@@ -455,9 +502,9 @@ def unsupported_reason(
       f"H={hidden} must be a multiple of memory_parts * block_n_down = {config.memory_parts} * "
       f"{config.block_n_down} (the down kernel's column ranges)"
     )
-  for kernel, block_n, num_rhs in (
-    ("gate_up", config.block_n_gate_up, 2),
-    ("down", config.block_n_down, 1),
+  for kernel, block_n, num_rhs, gathered in (
+    ("gate_up", config.block_n_gate_up, 2, config.gather_in_kernel),
+    ("down", config.block_n_down, 1, False),
   ):
     rows, columns = config.accumulator_shape(block_n)
     budget = MAX_ACC_ELEMENTS_TRANSPOSED if config.transposed_tiles else MAX_ACC_ELEMENTS
@@ -466,7 +513,7 @@ def unsupported_reason(
         f"the {kernel} kernel's accumulators ({num_rhs} x {rows} x {columns} per warpgroup) "
         f"exceed {budget} float32 elements (the register budget)"
       )
-    smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize)
+    smem = _smem_bytes(config, block_n, num_rhs, dtype.itemsize, gathered)
     if smem > SMEM_BYTES:
       return f"the {kernel} kernel needs {smem} bytes of shared memory, more than {SMEM_BYTES}"
   return None
@@ -627,6 +674,98 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
     size //= 2
 
 
+def _copy_rows_async(
+  x_ref,  # [T', block_k] columns of x in global memory (row stride H)
+  prefetch_ref,  # [T', block_k] later columns of x, or None
+  token_smem,  # int32 [TOKEN_SLOTS], the token of each of the tile's rows, -1 for padding
+  slot_ref,  # [rows, block_k], a ring slot: (8, 64)-tiled, 128-byte swizzled
+  *,
+  hidden: int,  # H, the row stride of x
+  rows: int,
+  pad_row: int | None,
+  transforms,
+) -> None:
+  """``slot_ref[r] = x_ref[token_smem[r]]`` for ``r < rows``, as ``cp.async`` copies of 16
+  bytes issued by every thread of the calling warpgroup and committed as one group
+  (``_wait_rows`` waits for it).
+
+  ``cp.async`` (LDGSTS) moves global memory into shared memory without passing through
+  registers, so the issuing threads never wait for the loads. An in-kernel gather that loaded the
+  rows into registers and stored them stalled its warps at the first use of each load (0.78-0.98x
+  of the XLA gather's call on the H200, ``benchmarks/NOTES_routed_experts.md``); TMA copies one
+  row per instruction at 30 rows per SM per us from one thread (the row-gather probe). Thread
+  ``t`` copies the 16-byte chunk ``c = t % 8`` of rows ``t // 8 + 16 i``, so a warp moves four
+  whole 128-byte rows per instruction; row ``r``'s chunk ``c`` lands at byte
+  ``r * 128 + (c ^ (r % 8)) * 16`` of the slot, the (8, 64) tile's 128-byte swizzle that the TMA
+  unit applies to the weights' blocks. Rows whose token is -1 copy ``x_ref``'s row ``pad_row``,
+  or are zero-filled (a source size of 0) when it is ``None``. With ``prefetch_ref``, one thread
+  a row also asks the L2 for the same rows' 128 bytes of those columns (``prefetch.global.L2``,
+  which returns at once). GPU only: the interpreter takes the rows with ``jnp.take``
+  (``_grouped_matmul``).
+  """
+  row_bytes = hidden * jnp.dtype(x_ref.dtype).itemsize
+
+  prefetching = prefetch_ref is not None
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),) * (2 + prefetching) + (plgpu.RefType(transforms=transforms),),
+  )
+  def issue(_, x, *refs):
+    *prefetch, tokens, slot = refs
+    i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
+    index = ir.IndexType.get()
+
+    def const(value, kind=i32):
+      return arith.constant(kind, value)
+
+    thread = arith.remui(mgpu.utils.thread_idx(), const(128))
+    chunk, group = arith.andi(thread, const(7)), arith.shrui(thread, const(3))
+    # r % 8 == group % 8 for every row r = group + 16 i of this thread.
+    swizzled = arith.shli(arith.xori(chunk, arith.andi(group, const(7))), const(4))
+    chunk_bytes = arith.extui(i64, arith.shli(chunk, const(4)))
+    x_ptr, slot_ptr = mgpu.utils.memref_ptr(x), mgpu.utils.memref_ptr(slot)
+    if prefetching:
+      prefetch_ptr = mgpu.utils.memref_ptr(prefetch[0])
+      first_chunk = arith.cmpi(arith.CmpIPredicate.eq, chunk, const(0))
+    for first in range(0, rows, 16):
+      row = arith.addi(group, const(first))
+      partial = first + 16 > rows  # the last rows, not a whole 16 of them
+      in_tile = arith.cmpi(arith.CmpIPredicate.ult, row, const(rows)) if partial else None
+      loaded_row = arith.minui(row, const(rows - 1)) if partial else row
+      token = memref.load(tokens, [arith.index_cast(index, loaded_row)])
+      present = arith.cmpi(arith.CmpIPredicate.sge, token, const(0))
+      source_row = arith.select(present, token, const(pad_row or 0))
+      source_offset = arith.muli(arith.extui(i64, source_row), const(row_bytes, i64))
+      source = mgpu.utils.getelementptr(x_ptr, [arith.addi(source_offset, chunk_bytes)], i8)
+      target = mgpu.utils.getelementptr(
+        slot_ptr, [arith.addi(arith.muli(row, const(128)), swizzled)], i8
+      )
+      size = const(16) if pad_row is not None else arith.select(present, const(16), const(0))
+      mgpu.utils.inline_ptx(
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;", target, source, size, predicate=in_tile
+      )
+      if prefetching:
+        ahead = mgpu.utils.getelementptr(prefetch_ptr, [source_offset], i8)
+        asks = first_chunk if in_tile is None else arith.andi(first_chunk, in_tile)
+        mgpu.utils.inline_ptx("prefetch.global.L2 [$0];", ahead, predicate=asks)
+    mgpu.utils.inline_ptx("cp.async.commit_group;")
+
+  issue(x_ref, *(() if prefetch_ref is None else (prefetch_ref,)), token_smem, slot_ref)
+
+
+def _wait_rows(pending: int) -> None:
+  """Waits until at most ``pending`` of this thread's ``_copy_rows_async`` groups are in
+  flight, then orders their writes before the async proxy (the wgmmas read shared memory
+  through it; ``cp.async`` writes through the generic proxy)."""
+
+  @plgpu.inline_mgpu()
+  def wait(_):
+    mgpu.utils.inline_ptx(f"cp.async.wait_group {pending};")
+    mgpu.utils.inline_ptx("fence.proxy.async.shared::cta;")
+
+  wait()
+
+
 def _grouped_matmul(
   lhs: jax.Array,  # [L, K], sorted rows from buffer row lhs_row (L >= any tile's end - lhs_row)
   rhs: tuple[jax.Array, ...],  # each [E, K, N]
@@ -640,6 +779,7 @@ def _grouped_matmul(
   epilogue: Callable[..., jax.Array],
   block_n: int,
   columns: tuple[int, int] | None = None,  # (first, count) of rhs's N columns; None: all
+  gather: tuple[jax.Array, int | None, float] | None = None,  # (tokens, pad row, padding)
   config: TuningConfig,
   name: str,
   interpret: bool,
@@ -654,6 +794,12 @@ def _grouped_matmul(
   consumer warpgroups split the block (``config.warpgroup_split``) in a
   ``plgpu.emit_pipeline_warp_specialized`` per item (jax's ``hopper_matmul_mgpu``): the producer
   moves on to the next item's first blocks while the consumers run the epilogue.
+
+  With ``gather`` (``config.gather_in_kernel``), ``lhs`` is ``x [T', K]`` and buffer row ``r``
+  of a tile is ``x[tokens[r]]`` (``tokens`` int32 ``[out_rows + TOKEN_SLOTS]``, -1 for padding:
+  row ``pad row`` of ``x``, or zeros where it is None; ``padding`` is that row's value, which the
+  interpreter writes instead): the pipeline is written out by hand (``gathered``), since
+  ``emit_pipeline_warp_specialized``'s producer only issues TMA copies.
   """
   block_m, block_k = config.block_m, config.block_k
   k_steps = lhs.shape[1] // block_k
@@ -737,6 +883,35 @@ def _grouped_matmul(
   acc_shape = (wg_cols, wg_rows) if transposed else (wg_rows, wg_cols)
   epi_cols = config.epilogue_shape(block_n)[1]
 
+  def warpgroup_mma_step(acc_refs, wg, lhs_smem, rhs_smems):
+    """One K step of consumer warpgroup ``wg``'s share of the tile."""
+    wg_row_slice = pl.ds(wg * wg_rows, wg_rows) if split_m else slice(None)
+    wg_col_slice = slice(None) if split_m else pl.ds(wg * wg_cols, wg_cols)
+    rhs_smems = [rhs_smem.at[:, wg_col_slice] for rhs_smem in rhs_smems]
+    mma_step(acc_refs, lhs_smem.at[wg_row_slice], rhs_smems)
+
+  def store_warpgroup_tile(acc_refs, wg, n_block, row_start, rows, out_smem, out_ref):
+    """The epilogue of consumer warpgroup ``wg``'s share of a tile, staged in ``out_smem[wg]``
+    (whole or in column pieces) and stored to its rows of ``out_ref``."""
+    result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
+    if split_m:  # this warpgroup's rows of the tile
+      own_rows = jnp.clip(rows - wg * wg_rows, 0, wg_rows)
+      first_row, first_column = row_start + wg * wg_rows, n_block * block_n
+    else:  # this warpgroup's columns
+      own_rows, first_row = rows, row_start
+      first_column = n_block * block_n + wg * wg_cols
+    for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
+      piece_columns = slice(piece * epi_cols, (piece + 1) * epi_cols)
+      # The previous piece's (or item's) copies must have read the staging tile.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      if transposed:  # [columns, rows] registers into the [rows, columns] tile
+        out_smem.at[wg].transpose((1, 0))[...] = result[piece_columns]
+      else:
+        out_smem[wg] = result[:, piece_columns]
+      plgpu.commit_smem()
+      columns = pl.ds(first_column + piece * epi_cols, epi_cols)
+      _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
+
   def warp_specialized(num_tiles_ref, table_ref, lhs_row_ref, lhs_ref, *refs):
     rhs_refs, out_ref = refs[:-1], refs[-1]
 
@@ -768,8 +943,6 @@ def _grouped_matmul(
     )
     def _scope(allocations, out_smem):
       wg = lax.axis_index("wg")  # 0 and 1 compute, 2 produces
-      wg_row_slice = pl.ds(wg * wg_rows, wg_rows) if split_m else slice(None)
-      wg_col_slice = slice(None) if split_m else pl.ds(wg * wg_cols, wg_cols)
 
       @plgpu.nd_loop((num_tiles_ref[0] * n_blocks,), collective_axes="sm")
       def _item(loop_info):
@@ -781,29 +954,11 @@ def _grouped_matmul(
           @functools.partial(pl.run_scoped, acc_refs=[plgpu.ACC(acc_shape) for _ in rhs_refs])
           def _accumulate(acc_refs):
             eval_pipeline(acc_refs)
-            result = epilogue(*(acc_ref[...] for acc_ref in acc_refs)).astype(out_dtype)
-            if split_m:  # this warpgroup's rows of the tile
-              own_rows = jnp.clip(rows - wg * wg_rows, 0, wg_rows)
-              first_row, first_column = row_start + wg * wg_rows, n_block * block_n
-            else:  # this warpgroup's columns
-              own_rows, first_row = rows, row_start
-              first_column = n_block * block_n + wg * wg_cols
-            for piece in range(wg_cols // epi_cols):  # static: whole tile or column pieces
-              piece_columns = slice(piece * epi_cols, (piece + 1) * epi_cols)
-              # The previous piece's (or item's) copies must have read the staging tile.
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              if transposed:  # [columns, rows] registers into the [rows, columns] tile
-                out_smem.at[wg].transpose((1, 0))[...] = result[piece_columns]
-              else:
-                out_smem[wg] = result[:, piece_columns]
-              plgpu.commit_smem()
-              columns = pl.ds(first_column + piece * epi_cols, epi_cols)
-              _store_rows(out_smem.at[wg], out_ref, own_rows, first_row, columns, wg_rows)
+            store_warpgroup_tile(acc_refs, wg, n_block, row_start, rows, out_smem, out_ref)
 
         def body(_, lhs_smem, *rhs_smems_and_accs):
           *rhs_smems, acc_refs = rhs_smems_and_accs
-          rhs_smems = [rhs_smem.at[:, wg_col_slice] for rhs_smem in rhs_smems]
-          mma_step(acc_refs, lhs_smem.at[wg_row_slice], rhs_smems)
+          warpgroup_mma_step(acc_refs, wg, lhs_smem, rhs_smems)
           return acc_refs
 
         pipeline(body, compute_context, n_block)(
@@ -814,10 +969,143 @@ def _grouped_matmul(
 
     plgpu.wait_smem_to_gmem(0)
 
+  def gathered(num_tiles_ref, table_ref, lhs_row_ref, x_ref, token_ref, *refs):
+    """Two consumer warpgroups and a producer warpgroup that fills the ring by hand: per K step
+    a TMA copy of each weight block and the tile's rows of ``x`` copied by token
+    (``_copy_rows_async``). A slot's rows are signalled one step late (``x_full``): after issuing
+    step ``k``'s copies the producer waits for step ``k - 1``'s, which have had a step's time to
+    land, so it never waits for a load it has just issued."""
+    rhs_refs, out_ref = refs[:-1], refs[-1]
+    _, pad_row, padding = gather
+    stages = config.num_stages
+
+    @functools.partial(
+      pl.run_scoped,
+      x_ring=plgpu.SMEM((stages, block_m, block_k), x_ref.dtype, transforms=transforms),
+      rhs_rings=[
+        plgpu.SMEM((stages, block_k, block_n), ref.dtype, transforms=transforms) for ref in rhs_refs
+      ],
+      token_smem=plgpu.SMEM((TOKEN_SLOTS,), jnp.int32),
+      out_smem=plgpu.SMEM((2, wg_rows, epi_cols), out_dtype),
+      rhs_full=plgpu.Barrier(num_arrivals=len(rhs_refs), num_barriers=stages),
+      x_full=plgpu.Barrier(num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      collective_axes="wg",
+    )
+    def _scope(x_ring, rhs_rings, token_smem, out_smem, rhs_full, x_full, consumed):
+      wg = lax.axis_index("wg")  # 0 and 1 compute, 2 produces
+      num_items = num_tiles_ref[0] * n_blocks
+
+      def columns_of_step(k):  # [T', block_k] of x
+        return x_ref.at[:, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)]
+
+      def copy_rows(k, slot):
+        x_columns = columns_of_step(k)
+        if interpret:  # the same rows through the interpreter's gather
+          present = token_smem[pl.ds(0, block_m)]  # [block_m]
+          rows = jnp.take(x_columns[...], jnp.maximum(present, 0), axis=0)
+          x_ring[slot] = jnp.where((present >= 0)[:, None], rows, jnp.asarray(padding, x_ref.dtype))
+          plgpu.commit_smem()
+        else:
+          ahead = config.gather_prefetch_steps
+          _copy_rows_async(
+            x_columns,
+            columns_of_step(jnp.minimum(k + ahead, k_steps - 1)) if ahead else None,
+            token_smem,
+            x_ring.at[slot],
+            hidden=x_ref.shape[1],
+            rows=block_m,
+            pad_row=pad_row,
+            transforms=transforms,
+          )
+
+      def rows_landed(pending):
+        if not interpret:
+          _wait_rows(pending)
+
+      @pl.when(wg == 2)
+      def _produce():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        @plgpu.nd_loop((num_items,), collective_axes="sm")
+        def _item(loop_info):
+          n_block, expert, row_start, _, _ = work_item(table_ref, lhs_row_ref, loop_info.index[0])
+          first_step = loop_info.local_index * k_steps  # this SM's steps so far pick the slots
+          columns = pl.ds((first_n_block + n_block) * block_n, block_n)
+          plgpu.commit_smem()  # every thread has issued the previous item's copies
+          token_smem[...] = token_ref[pl.ds(row_start, TOKEN_SLOTS)]
+          plgpu.commit_smem()
+
+          def fill(k, _):
+            step = first_step + k
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _wait_for_slot():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            for ref, ring in zip(rhs_refs, rhs_rings, strict=True):
+              plgpu.copy_gmem_to_smem(
+                ref.at[expert, pl.ds(k * block_k, block_k), columns],
+                ring.at[slot],
+                rhs_full.at[slot],
+              )
+            copy_rows(k, slot)
+
+            @pl.when(k > 0)
+            def _signal_previous():
+              rows_landed(1)
+              plgpu.barrier_arrive(x_full.at[lax.rem(step - 1, stages)])
+
+          lax.fori_loop(0, k_steps, fill, None)
+          rows_landed(0)
+          plgpu.barrier_arrive(x_full.at[lax.rem(first_step + k_steps - 1, stages)])
+
+        # Observe the consumption of the last slots filled, so that every barrier phase has been
+        # waited for when the kernel ends.
+        sm, sms = lax.axis_index("sm"), lax.axis_size("sm")
+        total_steps = lax.div(jnp.maximum(num_items - sm, 0) + sms - 1, sms) * k_steps
+        for back in range(stages, 0, -1):
+          last = total_steps - back
+
+          @pl.when(last >= 0)
+          def _drain():
+            plgpu.barrier_wait(consumed.at[lax.rem(last, stages)])  # noqa: B023
+
+      @pl.when(wg < 2)
+      def _consume():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+        @plgpu.nd_loop((num_items,), collective_axes="sm")
+        def _item(loop_info):
+          n_block, _, row_start, _, rows = work_item(table_ref, lhs_row_ref, loop_info.index[0])
+          first_step = loop_info.local_index * k_steps
+
+          @functools.partial(pl.run_scoped, acc_refs=[plgpu.ACC(acc_shape) for _ in rhs_refs])
+          def _accumulate(acc_refs):
+            def step(k, _):
+              slot = lax.rem(first_step + k, stages)
+              plgpu.barrier_wait(rhs_full.at[slot])
+              plgpu.barrier_wait(x_full.at[slot])
+              warpgroup_mma_step(
+                acc_refs, wg, x_ring.at[slot], [ring.at[slot] for ring in rhs_rings]
+              )
+              plgpu.barrier_arrive(consumed.at[slot])
+
+            lax.fori_loop(0, k_steps, step, None)
+            store_warpgroup_tile(acc_refs, wg, n_block, row_start, rows, out_smem, out_ref)
+
+        plgpu.wait_smem_to_gmem(0)
+
   specialized = config.warpgroups == 2
   out_type = () if out is not None else jax.ShapeDtypeStruct((out_rows, num_columns), out_dtype)
+  if gather is not None:
+    body, operands = gathered, (num_tiles, table, lhs_row, lhs, gather[0], *rhs)
+  else:
+    body = warp_specialized if specialized else single_warpgroup
+    operands = (num_tiles, table, lhs_row, lhs, *rhs)
   result = plgpu.kernel(
-    warp_specialized if specialized else single_warpgroup,
+    body,
     out_type=out_type,
     grid=(num_sms(config.num_sms),),
     grid_names=("sm",),
@@ -826,7 +1114,7 @@ def _grouped_matmul(
     compiler_params=plgpu.CompilerParams(approx_math=True),
     interpret=plgpu.InterpretGPUParams(detect_races=True) if interpret else False,
     kernel_name=name,
-  )(num_tiles, table, lhs_row, lhs, *rhs, *(() if out is None else (out,)))
+  )(*operands, *(() if out is None else (out,)))
   return None if out is not None else result
 
 
@@ -873,13 +1161,37 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
   Cutting by rows, not by table slots, gathers each row once plus ``block_m`` per part: a slot
   may be an expert's short last tile or unused, so equal runs of slots gathered 82688 rows for
   the 65536 routes of GLM-4.5-Air's 8192 tokens (now 66976), and the last part held few tiles.
+
+  With ``config.gather_in_kernel`` there is no ``xs``: one kernel over the whole table copies
+  each tile's rows of ``x`` by token (``_grouped_matmul``'s ``gather``).
   """
   block_m, parts = config.block_m, config.memory_parts
+  x = x.astype(w_gate.dtype)  # once for all parts
+  gate_up = functools.partial(
+    _grouped_matmul,
+    out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
+    out_dtype=w_gate.dtype,
+    epilogue=_swiglu,
+    block_n=config.block_n_gate_up,
+    config=config,
+    name="routed_experts_gate_up",
+    interpret=interpret,
+  )
+  if config.gather_in_kernel:  # no xs: one pass over the whole table
+    route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((TOKEN_SLOTS,), -1, jnp.int32)])
+    tokens = jnp.where(route_of_row >= 0, lax.div(route_of_row, top_k), -1)
+    pad_row = None  # zero-filled padding rows, as the gathered xs holds by default
+    if padding != 0.0:  # (NaN, in tests): the kernel copies padding rows from an extra row
+      pad_row = x.shape[0]
+      x = jnp.concatenate([x, jnp.full((1, x.shape[1]), padding, x.dtype)])
+    zero = jnp.zeros(1, jnp.int32)
+    return gate_up(
+      x, (w_gate, w_up), plan.num_tiles, plan.table, zero, gather=(tokens, pad_row, padding)
+    )
   part_rows = -(-rows // (parts * ROW_ALIGN)) * ROW_ALIGN
   xs_rows = part_rows + block_m
   padded_rows = parts * part_rows + block_m - rows
   route_of_row = jnp.concatenate([plan.route_of_row, jnp.full((padded_rows,), -1, jnp.int32)])
-  x = x.astype(w_gate.dtype)  # once for all parts
   if parts == 1:  # the whole table from row 0: no operation added to the one-pass program
     runs = [(plan.num_tiles, plan.table)]
   else:
@@ -903,26 +1215,19 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
     part_routes = route_of_row[first_row : first_row + xs_rows]
     if act is not None:  # the previous part's kernel first: one slice of xs alive at a time
       act, part_routes = lax.optimization_barrier((act, part_routes))
-    gate_up = functools.partial(
-      _grouped_matmul,
+    part_gate_up = functools.partial(
+      gate_up,
       _gather_rows(x, part_routes, top_k, padding),  # [xs_rows, H]
       (w_gate, w_up),
       num_part_tiles,
       part_table,
       jnp.full((1,), first_row, jnp.int32),
-      out_rows=rows + block_m,  # the down kernel reads tiles of block_m rows from any span start
-      out_dtype=w_gate.dtype,
-      epilogue=_swiglu,
-      block_n=config.block_n_gate_up,
-      config=config,
-      name="routed_experts_gate_up",
-      interpret=interpret,
     )
     if act is None:
-      act = gate_up()
+      act = part_gate_up()
     else:
       act_ref = jax.new_ref(act)
-      gate_up(out=act_ref)
+      part_gate_up(out=act_ref)
       act = act_ref[...]
   return act
 
