@@ -888,14 +888,23 @@ def test_gather_in_kernel_on_gpu_matches_float64_and_the_xs_kernel(name, padding
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  ("shape", "num_tokens"),
-  [("glm45_air", 896), ("glm45_air", 2048), ("glm45_air", 8192), ("glm45", 8192)],
+  ("shape", "num_tokens", "prefetch"),
+  [
+    ("glm45_air", 896, 0),
+    ("glm45_air", 2048, 0),
+    ("glm45_air", 8192, 2),  # one pass, no memory parts, rows prefetched into the L2
+    ("glm45", 8192, 4),
+  ],
 )
-def test_gather_in_kernel_on_gpu_gives_the_default_result_bit_for_bit(shape, num_tokens):
+def test_gather_in_kernel_on_gpu_gives_the_xs_result_bit_for_bit(shape, num_tokens, prefetch):
   args = glm_inputs(shape, num_tokens)
   config = mosaic_gpu.default_config(num_tokens, 8, *GLM_SHAPES[shape])
-  gathering = routed_experts(
-    *args, impl="pallas", config=dataclasses.replace(config, gather_in_kernel=True)
+  gathering, from_xs = (
+    routed_experts(
+      *args,
+      impl="pallas",
+      config=dataclasses.replace(config, gather_in_kernel=gather, gather_prefetch_steps=prefetch),
+    )
+    for gather in (True, False)
   )
-  default = routed_experts(*args, impl="pallas", config=config)
-  np.testing.assert_array_equal(np.asarray(gathering, np.float32), np.asarray(default, np.float32))
+  np.testing.assert_array_equal(np.asarray(gathering, np.float32), np.asarray(from_xs, np.float32))
