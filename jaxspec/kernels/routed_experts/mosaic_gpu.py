@@ -169,10 +169,6 @@ class TuningConfig:
       gathered ``xs``: no XLA gather and no ``xs``, and the gate/up kernel runs once over the
       whole table whatever ``memory_parts`` (which then splits only the down kernel and the
       combine). Needs ``warpgroups=2``.
-    gather_prefetch_steps: with ``gather_in_kernel``, how many K steps ahead of its copies the
-      producer asks the L2 for the same rows (``prefetch.global.L2``; 0: not at all), so that
-      the copies find rows of ``x`` that L2 does not hold (at 8192 tokens ``x`` is larger than
-      the L2) already on their way.
   """
 
   block_m: int = 64
@@ -187,7 +183,6 @@ class TuningConfig:
   transposed_tiles: bool = False
   memory_parts: int = 1
   gather_in_kernel: bool = False
-  gather_prefetch_steps: int = 0
 
   def __post_init__(self):
     fields = (
@@ -233,10 +228,6 @@ class TuningConfig:
             f"TuningConfig.warpgroup_split='n' needs {name} to be a multiple of 128 (64 columns "
             f"per warpgroup at least), got {getattr(self, name)}"
           )
-    if self.gather_prefetch_steps < 0:
-      raise ValueError(
-        f"TuningConfig.gather_prefetch_steps must be at least 0, got {self.gather_prefetch_steps}"
-      )
     if self.gather_in_kernel and self.warpgroups != 2:
       raise ValueError(
         "TuningConfig.gather_in_kernel needs warpgroups=2 (a producer warpgroup copies the rows)"
@@ -676,7 +667,6 @@ def _store_rows(out_smem, out_ref, rows, row_start, columns, max_rows: int) -> N
 
 def _copy_rows_async(
   x_ref,  # [T', block_k] columns of x in global memory (row stride H)
-  prefetch_ref,  # [T', block_k] later columns of x, or None
   token_smem,  # int32 [TOKEN_SLOTS], the token of each of the tile's rows, -1 for padding
   slot_ref,  # [rows, block_k], a ring slot: (8, 64)-tiled, 128-byte swizzled
   *,
@@ -698,20 +688,15 @@ def _copy_rows_async(
   whole 128-byte rows per instruction; row ``r``'s chunk ``c`` lands at byte
   ``r * 128 + (c ^ (r % 8)) * 16`` of the slot, the (8, 64) tile's 128-byte swizzle that the TMA
   unit applies to the weights' blocks. Rows whose token is -1 copy ``x_ref``'s row ``pad_row``,
-  or are zero-filled (a source size of 0) when it is ``None``. With ``prefetch_ref``, one thread
-  a row also asks the L2 for the same rows' 128 bytes of those columns (``prefetch.global.L2``,
-  which returns at once). GPU only: the interpreter takes the rows with ``jnp.take``
-  (``_grouped_matmul``).
+  or are zero-filled (a source size of 0) when it is ``None``. GPU only: the interpreter takes
+  the rows with ``jnp.take`` (``_grouped_matmul``).
   """
   row_bytes = hidden * jnp.dtype(x_ref.dtype).itemsize
 
-  prefetching = prefetch_ref is not None
-
   @plgpu.inline_mgpu(
-    arg_types=(plgpu.RefType(),) * (2 + prefetching) + (plgpu.RefType(transforms=transforms),),
+    arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(transforms=transforms)),
   )
-  def issue(_, x, *refs):
-    *prefetch, tokens, slot = refs
+  def issue(_, x, tokens, slot):
     i32, i64, i8 = (ir.IntegerType.get_signless(n) for n in (32, 64, 8))
     index = ir.IndexType.get()
 
@@ -724,9 +709,6 @@ def _copy_rows_async(
     swizzled = arith.shli(arith.xori(chunk, arith.andi(group, const(7))), const(4))
     chunk_bytes = arith.extui(i64, arith.shli(chunk, const(4)))
     x_ptr, slot_ptr = mgpu.utils.memref_ptr(x), mgpu.utils.memref_ptr(slot)
-    if prefetching:
-      prefetch_ptr = mgpu.utils.memref_ptr(prefetch[0])
-      first_chunk = arith.cmpi(arith.CmpIPredicate.eq, chunk, const(0))
     for first in range(0, rows, 16):
       row = arith.addi(group, const(first))
       partial = first + 16 > rows  # the last rows, not a whole 16 of them
@@ -744,13 +726,9 @@ def _copy_rows_async(
       mgpu.utils.inline_ptx(
         "cp.async.cg.shared.global [$0], [$1], 16, $2;", target, source, size, predicate=in_tile
       )
-      if prefetching:
-        ahead = mgpu.utils.getelementptr(prefetch_ptr, [source_offset], i8)
-        asks = first_chunk if in_tile is None else arith.andi(first_chunk, in_tile)
-        mgpu.utils.inline_ptx("prefetch.global.L2 [$0];", ahead, predicate=asks)
     mgpu.utils.inline_ptx("cp.async.commit_group;")
 
-  issue(x_ref, *(() if prefetch_ref is None else (prefetch_ref,)), token_smem, slot_ref)
+  issue(x_ref, token_smem, slot_ref)
 
 
 def _wait_rows(pending: int) -> None:
@@ -996,21 +974,16 @@ def _grouped_matmul(
       wg = lax.axis_index("wg")  # 0 and 1 compute, 2 produces
       num_items = num_tiles_ref[0] * n_blocks
 
-      def columns_of_step(k):  # [T', block_k] of x
-        return x_ref.at[:, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)]
-
       def copy_rows(k, slot):
-        x_columns = columns_of_step(k)
+        x_columns = x_ref.at[:, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)]
         if interpret:  # the same rows through the interpreter's gather
           present = token_smem[pl.ds(0, block_m)]  # [block_m]
           rows = jnp.take(x_columns[...], jnp.maximum(present, 0), axis=0)
           x_ring[slot] = jnp.where((present >= 0)[:, None], rows, jnp.asarray(padding, x_ref.dtype))
           plgpu.commit_smem()
         else:
-          ahead = config.gather_prefetch_steps
           _copy_rows_async(
             x_columns,
-            columns_of_step(jnp.minimum(k + ahead, k_steps - 1)) if ahead else None,
             token_smem,
             x_ring.at[slot],
             hidden=x_ref.shape[1],
