@@ -351,6 +351,20 @@ def test_tuning_config_is_validated():
       TuningConfig(**changes)
 
 
+def operand_shapes(num_tokens, num_experts, hidden, intermediate):
+  """The op's operands at top-8 as shapes and dtypes (bf16), for ``unsupported_reason``: no
+  memory needed at GLM shapes."""
+  shapes = [
+    ((num_tokens, hidden), jnp.bfloat16),
+    ((num_tokens, 8), jnp.int32),
+    ((num_tokens, 8), jnp.float32),
+    ((num_experts, hidden, intermediate), jnp.bfloat16),
+    ((num_experts, hidden, intermediate), jnp.bfloat16),
+    ((num_experts, intermediate, hidden), jnp.bfloat16),
+  ]
+  return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+
+
 @pytest.mark.parametrize(
   ("num_tokens", "num_experts", "hidden", "intermediate", "two_warpgroup_tiles"),
   [
@@ -371,18 +385,8 @@ def test_default_config_takes_128_row_tiles_from_56_routes_per_expert(
   if two_warpgroup_tiles:
     assert config.warpgroup_split == "m"
     assert config.block_n_down == (256 if hidden % 256 == 0 else 128)
-  shapes = [
-    jax.ShapeDtypeStruct(shape, dtype)
-    for shape, dtype in [
-      ((num_tokens, hidden), jnp.bfloat16),
-      ((num_tokens, 8), jnp.int32),
-      ((num_tokens, 8), jnp.float32),
-      ((num_experts, hidden, intermediate), jnp.bfloat16),
-      ((num_experts, hidden, intermediate), jnp.bfloat16),
-      ((num_experts, intermediate, hidden), jnp.bfloat16),
-    ]
-  ]
-  assert mosaic_gpu.unsupported_reason(*shapes, config=config) is None
+  args = operand_shapes(num_tokens, num_experts, hidden, intermediate)
+  assert mosaic_gpu.unsupported_reason(*args, config=config) is None
 
 
 @pytest.mark.parametrize(
@@ -512,15 +516,7 @@ def test_default_config_gathers_in_the_kernel_up_to_one_memory_part(
   config = mosaic_gpu.default_config(num_tokens, 8, num_experts, hidden, intermediate)
   assert config.gather_in_kernel == gathers
   assert gathers == (config.warpgroups == 2 and config.memory_parts == 1)
-  shapes = [
-    ((num_tokens, hidden), jnp.bfloat16),
-    ((num_tokens, 8), jnp.int32),
-    ((num_tokens, 8), jnp.float32),
-    ((num_experts, hidden, intermediate), jnp.bfloat16),
-    ((num_experts, hidden, intermediate), jnp.bfloat16),
-    ((num_experts, intermediate, hidden), jnp.bfloat16),
-  ]
-  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]  # no memory needed
+  args = operand_shapes(num_tokens, num_experts, hidden, intermediate)
   assert mosaic_gpu.unsupported_reason(*args, config=config) is None
 
 
