@@ -443,6 +443,16 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
   return [TuningConfig(**changes) for changes in grid]
 
 
+def sweep_configs(num_tokens, default: TuningConfig) -> list[TuningConfig]:
+  """The default first; with two warpgroups, the default with the gate/up kernel's other source
+  of rows (``x`` copied in the kernel, or a gathered ``xs``: ``default_config`` decides it by the
+  token count); then ``tuning_configs``."""
+  configs = [default]
+  if default.warpgroups == 2:
+    configs.append(dataclasses.replace(default, gather_in_kernel=not default.gather_in_kernel))
+  return configs + [c for c in tuning_configs(num_tokens) if c not in configs]
+
+
 def tune(rng, layer, token_counts, tuning, save, smoke=False):
   """Times the default and the alternatives of ``tuning_configs`` at each token count; the
   one-warpgroup configs of every token count first, the two-warpgroup ones after (should one
@@ -451,8 +461,7 @@ def tune(rng, layer, token_counts, tuning, save, smoke=False):
   for warpgroups in (1, 2):
     for num_tokens in token_counts:
       default = mosaic_gpu.default_config(num_tokens, TOP_K, num_experts, hidden, intermediate)
-      configs = [default] + [c for c in tuning_configs(num_tokens) if c != default]
-      configs = [c for c in configs if c.warpgroups == warpgroups]
+      configs = [c for c in sweep_configs(num_tokens, default) if c.warpgroups == warpgroups]
       if smoke:  # the sweep's code path on a few simulated SMs
         configs = [dataclasses.replace(c, num_sms=4) for c in configs[:1]]
       if not configs:

@@ -244,6 +244,18 @@ def test_every_tuning_config_serves_glm_4_5_air(num_tokens):
     assert mosaic_gpu.unsupported_reason(None, None, None, w, w, None, config=config) is None
 
 
+@pytest.mark.parametrize(("num_tokens", "gathers"), [(64, None), (2048, True), (8192, False)])
+def test_the_sweep_times_the_default_with_and_without_the_in_kernel_gather(num_tokens, gathers):
+  default = mosaic_gpu.default_config(num_tokens, 8, *SHAPES["GLM-4.5-Air"])
+  configs = bench_moe.sweep_configs(num_tokens, default)
+  assert configs[0] == default and len(configs) == len(set(configs))
+  if gathers is None:  # one warpgroup at decode sizes: nothing to toggle
+    assert not any(c.gather_in_kernel for c in configs)
+  else:
+    assert default.gather_in_kernel is gathers
+    assert configs[1] == dataclasses.replace(default, gather_in_kernel=not gathers)
+
+
 def test_the_sweep_tries_one_warpgroup_kernels_at_one_and_two_ctas_an_sm(results):
   pair = [c for c in bench_moe.tuning_configs(2048) if c.num_sms is not None]
   assert [c.num_sms for c in pair] == [device_num_sms(), 2 * device_num_sms()]
