@@ -346,6 +346,10 @@ def test_tuning_config_is_validated():
       "block_m must be a multiple of 8 up to 256",
     ),
     ({"gather_in_kernel": True}, "gather_in_kernel needs warpgroups=2"),
+    (
+      {"gather_in_kernel": True, "warpgroups": 2, "block_n_down": 256, "block_k": 128},
+      "gather_in_kernel needs block_k=64",
+    ),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)

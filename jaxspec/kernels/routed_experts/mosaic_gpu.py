@@ -168,7 +168,7 @@ class TuningConfig:
       by token into its ring with ``cp.async`` (``_copy_rows_async``) instead of TMA copies of a
       gathered ``xs``: no XLA gather and no ``xs``, and the gate/up kernel runs once over the
       whole table whatever ``memory_parts`` (which then splits only the down kernel and the
-      combine). Needs ``warpgroups=2``.
+      combine). Needs ``warpgroups=2`` and ``block_k=64``.
   """
 
   block_m: int = 64
@@ -231,6 +231,11 @@ class TuningConfig:
     if self.gather_in_kernel and self.warpgroups != 2:
       raise ValueError(
         "TuningConfig.gather_in_kernel needs warpgroups=2 (a producer warpgroup copies the rows)"
+      )
+    if self.gather_in_kernel and self.block_k != 64:
+      raise ValueError(
+        f"TuningConfig.gather_in_kernel needs block_k=64 (each copied row fills one 128-byte "
+        f"row of the swizzled (8, 64) tile), got {self.block_k}"
       )
     if self.epilogue_n is not None:
       if self.warpgroups != 2:
