@@ -659,7 +659,7 @@ GATHER_CASES = [
 def _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret):
   # The same rows in the same order reach the same wgmmas: bit for bit the result of the kernel
   # that reads a gathered xs. NaN padding rows come from an extra row of x, zero ones from
-  # zero-filled copies (on the GPU; the interpreter writes the padding value).
+  # zero-filled copies (the interpreter takes the same rows).
   args, config = case_inputs(name)
   if not interpret:
     config = dataclasses.replace(config, num_sms=None)

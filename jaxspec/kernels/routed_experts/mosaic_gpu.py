@@ -364,7 +364,9 @@ def default_config(
     dataclasses.replace(config, memory_parts=parts), num_tokens, top_k, num_experts
   )
   gathering = dataclasses.replace(config, gather_in_kernel=True)
-  smem = _smem_bytes(gathering, config.block_n_gate_up, 2, 2, True)  # 16-bit gate and up
+  smem = _smem_bytes(  # of the gate/up kernel, the one that gathers, with 16-bit weights
+    gathering, config.block_n_gate_up, num_rhs=2, itemsize=2, gathered=True
+  )
   if parts == 1 and smem <= SMEM_BYTES:
     return gathering
   return config
@@ -762,7 +764,7 @@ def _grouped_matmul(
   epilogue: Callable[..., jax.Array],
   block_n: int,
   columns: tuple[int, int] | None = None,  # (first, count) of rhs's N columns; None: all
-  gather: tuple[jax.Array, int | None, float] | None = None,  # (tokens, pad row, padding)
+  gather: tuple[jax.Array, int | None] | None = None,  # (tokens, pad row)
   config: TuningConfig,
   name: str,
   interpret: bool,
@@ -780,9 +782,8 @@ def _grouped_matmul(
 
   With ``gather`` (``config.gather_in_kernel``), ``lhs`` is ``x [T', K]`` and buffer row ``r``
   of a tile is ``x[tokens[r]]`` (``tokens`` int32 ``[out_rows + TOKEN_SLOTS]``, -1 for padding:
-  row ``pad row`` of ``x``, or zeros where it is None; ``padding`` is that row's value, which the
-  interpreter writes instead): the pipeline is written out by hand (``gathered``), since
-  ``emit_pipeline_warp_specialized``'s producer only issues TMA copies.
+  row ``pad row`` of ``x``, or zeros where it is None): the pipeline is written out by hand
+  (``gathered``), since ``emit_pipeline_warp_specialized``'s producer only issues TMA copies.
   """
   block_m, block_k = config.block_m, config.block_k
   k_steps = lhs.shape[1] // block_k
@@ -959,7 +960,7 @@ def _grouped_matmul(
     step ``k``'s copies the producer waits for step ``k - 1``'s, which have had a step's time to
     land, so it never waits for a load it has just issued."""
     rhs_refs, out_ref = refs[:-1], refs[-1]
-    _, pad_row, padding = gather
+    pad_row = gather[1]
     stages = config.num_stages
 
     @functools.partial(
@@ -981,10 +982,11 @@ def _grouped_matmul(
 
       def copy_rows(k, slot):
         x_columns = x_ref.at[:, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)]
-        if interpret:  # the same rows through the interpreter's gather
-          present = token_smem[pl.ds(0, block_m)]  # [block_m]
-          rows = jnp.take(x_columns[...], jnp.maximum(present, 0), axis=0)
-          x_ring[slot] = jnp.where((present >= 0)[:, None], rows, jnp.asarray(padding, x_ref.dtype))
+        if interpret:  # the same rows, padding rows included, through the interpreter's gather
+          tokens = token_smem[pl.ds(0, block_m)]  # [block_m]
+          present = (tokens >= 0)[:, None]
+          rows = jnp.take(x_columns[...], jnp.where(tokens >= 0, tokens, pad_row or 0), axis=0)
+          x_ring[slot] = rows if pad_row is not None else jnp.where(present, rows, 0)
           plgpu.commit_smem()
         else:
           _copy_rows_async(
@@ -1163,9 +1165,7 @@ def _gate_up_in_parts(x, plan: RoutePlan, w_gate, w_up, *, top_k, rows, config, 
       pad_row = x.shape[0]
       x = jnp.concatenate([x, jnp.full((1, x.shape[1]), padding, x.dtype)])
     zero = jnp.zeros(1, jnp.int32)
-    return gate_up(
-      x, (w_gate, w_up), plan.num_tiles, plan.table, zero, gather=(tokens, pad_row, padding)
-    )
+    return gate_up(x, (w_gate, w_up), plan.num_tiles, plan.table, zero, gather=(tokens, pad_row))
   part_rows = -(-rows // (parts * ROW_ALIGN)) * ROW_ALIGN
   xs_rows = part_rows + block_m
   padded_rows = parts * part_rows + block_m - rows
