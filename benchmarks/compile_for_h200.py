@@ -417,7 +417,7 @@ def main(argv=None) -> None:
   index.add_argument("--block-size", type=int, default=64)
   for sub in (attention, moe, index):
     sub.add_argument("--module", help="a file to compile in place of the op's mosaic_gpu.py")
-    sub.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE")
+    sub.add_argument("--set", nargs="*", action="extend", default=[], metavar="FIELD=VALUE")
     sub.add_argument(
       "--ptx-dir", type=pathlib.Path, help="a new or empty folder for each kernel's PTX"
     )
