@@ -446,14 +446,10 @@ def tuning_configs(num_tokens) -> list[TuningConfig]:
 def sweep_configs(num_tokens, default: TuningConfig) -> list[TuningConfig]:
   """The default first; with two warpgroups, the default with the gate/up kernel's other source
   of rows (``x`` copied in the kernel, or a gathered ``xs``: ``default_config`` decides it by the
-  token count) and the gathering one with its slots signalled as late as its ring allows (more
-  copies in flight, for ``x`` read from HBM); then ``tuning_configs``."""
+  token count); then ``tuning_configs``."""
   configs = [default]
   if default.warpgroups == 2:
-    other = dataclasses.replace(default, gather_in_kernel=not default.gather_in_kernel)
-    gathering = default if default.gather_in_kernel else other
-    latest = dataclasses.replace(gathering, gather_signal_lag=gathering.num_stages - 1)
-    configs += [c for c in (other, latest) if c not in configs]
+    configs.append(dataclasses.replace(default, gather_in_kernel=not default.gather_in_kernel))
   return configs + [c for c in tuning_configs(num_tokens) if c not in configs]
 
 

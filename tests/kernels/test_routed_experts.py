@@ -350,8 +350,6 @@ def test_tuning_config_is_validated():
       {"gather_in_kernel": True, "warpgroups": 2, "block_n_down": 256, "block_k": 128},
       "gather_in_kernel needs block_k=64",
     ),
-    ({"gather_signal_lag": 0}, "gather_signal_lag must be a positive"),
-    ({"gather_signal_lag": 4}, "gather_signal_lag must be below num_stages=4"),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -656,41 +654,31 @@ GATHER_CASES = [
   "transposed_tiles_24_rows",
   "two_warpgroups_memory_parts_2",
 ]
-# The slots signalled three steps late with four stages: with 128 columns of H (two K steps per
-# item) and two SMs, the signals of an item's last steps come during the next item's copies.
-LAGGING_GATHER_CASE = ("transposed_tiles_24_rows", 3)
 
 
-def _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret, lag=1):
+def _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret):
   # The same rows in the same order reach the same wgmmas: bit for bit the result of the kernel
   # that reads a gathered xs. NaN padding rows come from an extra row of x, zero ones from
   # zero-filled copies (the interpreter takes the same rows).
   args, config = case_inputs(name)
   if not interpret:
     config = dataclasses.replace(config, num_sms=None)
-  gathering_config = dataclasses.replace(
-    config,
-    gather_in_kernel=True,
-    gather_signal_lag=lag,
-    num_stages=max(config.num_stages, lag + 1),
-  )
   gathering, from_xs = (
     mosaic_gpu.routed_experts_mosaic_gpu(
-      *args, config=kernel_config, interpret=interpret, padding_value=padding
+      *args,
+      config=dataclasses.replace(config, gather_in_kernel=gather),
+      interpret=interpret,
+      padding_value=padding,
     )
-    for kernel_config in (gathering_config, config)
+    for gather in (True, False)
   )
   assert_close(gathering, numpy_oracle(*args))
   np.testing.assert_array_equal(np.asarray(gathering, np.float32), np.asarray(from_xs, np.float32))
 
 
-@pytest.mark.parametrize(
-  ("name", "lag"), [(name, 1) for name in GATHER_CASES] + [LAGGING_GATHER_CASE]
-)
-def test_gather_in_kernel_interpret_matches_float64_and_the_xs_kernel(name, lag):
-  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(
-    name, float("nan"), interpret=True, lag=lag
-  )
+@pytest.mark.parametrize("name", GATHER_CASES)
+def test_gather_in_kernel_interpret_matches_float64_and_the_xs_kernel(name):
+  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, float("nan"), interpret=True)
   assert not races_found()
 
 
@@ -892,32 +880,28 @@ def test_two_warpgroup_cases_on_gpu_match_float64(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", [float("nan"), 0.0])
-@pytest.mark.parametrize(
-  ("name", "lag"), [(name, 1) for name in GATHER_CASES] + [LAGGING_GATHER_CASE]
-)
-def test_gather_in_kernel_on_gpu_matches_float64_and_the_xs_kernel(name, lag, padding):
-  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret=False, lag=lag)
+@pytest.mark.parametrize("name", GATHER_CASES)
+def test_gather_in_kernel_on_gpu_matches_float64_and_the_xs_kernel(name, padding):
+  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-  ("shape", "num_tokens", "lag"),
+  ("shape", "num_tokens"),
   [
-    ("glm45_air", 896, 1),
-    ("glm45_air", 2048, 1),
-    ("glm45_air", 2048, 2),
-    ("glm45_air", 8192, 1),  # one pass, no memory parts
-    ("glm45_air", 8192, 2),
-    ("glm45", 8192, 1),
+    ("glm45_air", 896),
+    ("glm45_air", 2048),
+    ("glm45_air", 8192),  # one pass, no memory parts
+    ("glm45", 8192),
   ],
 )
-def test_gather_in_kernel_on_gpu_gives_the_xs_result_bit_for_bit(shape, num_tokens, lag):
+def test_gather_in_kernel_on_gpu_gives_the_xs_result_bit_for_bit(shape, num_tokens):
   args = glm_inputs(shape, num_tokens)
   config = mosaic_gpu.default_config(num_tokens, 8, *GLM_SHAPES[shape])
-  gathering_config = dataclasses.replace(config, gather_in_kernel=True, gather_signal_lag=lag)
-  from_xs_config = dataclasses.replace(config, gather_in_kernel=False)
   gathering, from_xs = (
-    routed_experts(*args, impl="pallas", config=kernel_config)
-    for kernel_config in (gathering_config, from_xs_config)
+    routed_experts(
+      *args, impl="pallas", config=dataclasses.replace(config, gather_in_kernel=gather)
+    )
+    for gather in (True, False)
   )
   np.testing.assert_array_equal(np.asarray(gathering, np.float32), np.asarray(from_xs, np.float32))

@@ -169,10 +169,6 @@ class TuningConfig:
       gathered ``xs``: no XLA gather and no ``xs``, and the gate/up kernel runs once over the
       whole table whatever ``memory_parts`` (which then splits only the down kernel and the
       combine). Needs ``warpgroups=2`` and ``block_k=64``.
-    gather_signal_lag: K steps the gathering producer keeps its row copies in flight: after
-      issuing a step's copies it waits for those of this many steps before and signals their
-      slot (1 to ``num_stages - 1``; only the gathering kernel reads it). More hides a longer
-      load latency, when ``x`` comes from HBM rather than the L2.
   """
 
   block_m: int = 64
@@ -187,7 +183,6 @@ class TuningConfig:
   transposed_tiles: bool = False
   memory_parts: int = 1
   gather_in_kernel: bool = False
-  gather_signal_lag: int = 1
 
   def __post_init__(self):
     fields = (
@@ -198,7 +193,6 @@ class TuningConfig:
       "num_stages",
       "warpgroups",
       "memory_parts",
-      "gather_signal_lag",
     )
     validate_config_fields(self, positive=fields + ("epilogue_n",))
     if self.transposed_tiles:
@@ -242,11 +236,6 @@ class TuningConfig:
       raise ValueError(
         f"TuningConfig.gather_in_kernel needs block_k=64 (each copied row fills one 128-byte "
         f"row of the swizzled (8, 64) tile), got {self.block_k}"
-      )
-    if self.gather_signal_lag >= self.num_stages:
-      raise ValueError(
-        f"TuningConfig.gather_signal_lag must be below num_stages={self.num_stages} (the "
-        f"producer reuses a slot only once its rows were signalled), got {self.gather_signal_lag}"
       )
     if self.epilogue_n is not None:
       if self.warpgroups != 2:
@@ -967,14 +956,16 @@ def _grouped_matmul(
   def gathered(num_tiles_ref, table_ref, lhs_row_ref, x_ref, token_ref, *refs):
     """Two consumer warpgroups and a producer warpgroup that fills the ring by hand: per K step
     a TMA copy of each weight block and the tile's rows of ``x`` copied by token
-    (``_copy_rows_async``). A slot's rows are signalled ``lag`` steps late (``x_full``): after
-    issuing step ``s``'s copies the producer waits for step ``s - lag``'s, which have had ``lag``
-    steps' time to land, so it never waits for a load it has just issued. Steps are counted
-    across this SM's work items, so an item's last copies land while the next item's are
-    issued; only the kernel's end waits for the last ``lag`` steps."""
+    (``_copy_rows_async``). A slot's rows are signalled one step late (``x_full``): after issuing
+    step ``s``'s copies the producer waits for step ``s - 1``'s, which have had a step's time to
+    land, so it never waits for a load it has just issued. Steps are counted across this SM's
+    work items, so an item's last copies land while the next item's first are issued; only the
+    kernel's end waits for the last. (Two steps late, with the three-slot rings that fit at
+    prefill sizes, was slower: the consumers then wait for each issue;
+    ``benchmarks/NOTES_routed_experts.md``.)"""
     rhs_refs, out_ref = refs[:-1], refs[-1]
     pad_row = gather[1]
-    stages, lag = config.num_stages, config.gather_signal_lag
+    stages = config.num_stages
 
     @functools.partial(
       pl.run_scoped,
@@ -1047,22 +1038,21 @@ def _grouped_matmul(
               )
             copy_rows(k, slot)
 
-            @pl.when(step >= lag)
-            def _signal_lagging():
-              rows_landed(lag)
-              plgpu.barrier_arrive(x_full.at[lax.rem(step - lag, stages)])
+            @pl.when(step >= 1)
+            def _signal_previous():
+              rows_landed(1)
+              plgpu.barrier_arrive(x_full.at[lax.rem(step - 1, stages)])
 
           lax.fori_loop(0, k_steps, fill, None)
 
         sm, sms = lax.axis_index("sm"), lax.axis_size("sm")
         total_steps = lax.div(jnp.maximum(num_items - sm, 0) + sms - 1, sms) * k_steps
-        for pending in range(lag - 1, -1, -1):  # signal the last steps' slots
-          last = total_steps - 1 - pending
+        last_step = total_steps - 1
 
-          @pl.when(last >= 0)
-          def _signal_last():
-            rows_landed(pending)  # noqa: B023
-            plgpu.barrier_arrive(x_full.at[lax.rem(last, stages)])  # noqa: B023
+        @pl.when(last_step >= 0)
+        def _signal_last():
+          rows_landed(0)
+          plgpu.barrier_arrive(x_full.at[lax.rem(last_step, stages)])
 
         # Observe the consumption of the last slots filled, so that every barrier phase has been
         # waited for when the kernel ends.
