@@ -34,8 +34,12 @@ def test_cache_directory_follows_the_environment(environ, expected, monkeypatch)
 
 
 def _generate(environ):
-  command = [sys.executable, "-m", "jaxspec", "generate", "--prompt", "def f(x):"]
-  command += ["--max-new-tokens", "3", "--json"]
+  # Sampled: the two runs are also the command line's check that a seed reproduces its tokens
+  # in a fresh `python -m jaxspec` (each run costs seconds; tests/test_cli.py generates in process).
+  # After "ab" the embedded model's 4 sampled tokens vary with the key (5 sequences for seeds
+  # 0-5), so sampling keyed by anything but the seed would show as two different runs.
+  command = [sys.executable, "-m", "jaxspec", "generate", "--prompt", "ab"]
+  command += ["--max-new-tokens", "4", "--temperature", "0.8", "--seed", "3", "--json"]
   return subprocess.run(command, cwd=ROOT, env=environ, check=True, capture_output=True, text=True)
 
 
@@ -48,7 +52,8 @@ def test_a_second_run_reads_the_programs_the_first_one_cached(tmp_path):
   entries = sorted(p.name for p in cache.iterdir())
   assert len(entries) >= 4, entries  # prefill, draft prefill, cycle, ... at the least
   second = _generate(environ)
-  # The same tokens and acceptance from the cached programs (the timings differ).
+  # The same tokens and acceptance from the cached programs and the same seed (the timings
+  # differ).
   for key in ("tokens", "text", "per_position_acceptance"):
     assert json.loads(first.stdout)[key] == json.loads(second.stdout)[key], key
   # Every program of the second run was found: it added no entry.

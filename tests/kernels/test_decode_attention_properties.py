@@ -178,6 +178,13 @@ WRONG_INT_DTYPES = [jnp.int8, jnp.int16, jnp.uint32, jnp.float32, jnp.bool_, np.
 WRONG_FLOAT_DTYPES = [jnp.int32, jnp.int8, jnp.uint8, jnp.bool_, jnp.complex64, np.float64]
 
 
+def _array(make, shape, dtype, *fill):
+  """``make(shape, *fill, dtype)`` (np.ones, np.zeros, np.full) as a jax.Array, copied to the
+  device: ``jnp.ones`` and the like compile a program for each new shape and dtype, and the
+  examples draw hundreds of them."""
+  return jnp.asarray(make(shape, *fill, dtype=dtype))
+
+
 @st.composite
 def small_valid_arguments(draw):
   """Valid keyword arguments on small shapes (no kernel runs: the call must fail before)."""
@@ -189,11 +196,11 @@ def small_valid_arguments(draw):
   kv_dtype = FP8 if fp8 else dtype
   pages_shape = (num_kv_heads, num_pages, page_size, 16)
   args = {
-    "q": jnp.ones((batch, q_len, num_kv_heads * group, 16), dtype),
-    "k_pages": jnp.ones(pages_shape, kv_dtype),
-    "v_pages": jnp.ones(pages_shape, kv_dtype),
-    "block_tables": jnp.zeros((batch, max_pages), jnp.int32),
-    "seq_lens": jnp.full((batch,), page_size, jnp.int32),
+    "q": _array(np.ones, (batch, q_len, num_kv_heads * group, 16), dtype),
+    "k_pages": _array(np.ones, pages_shape, kv_dtype),
+    "v_pages": _array(np.ones, pages_shape, kv_dtype),
+    "block_tables": _array(np.zeros, (batch, max_pages), jnp.int32),
+    "seq_lens": _array(np.full, (batch,), jnp.int32, page_size),
   }
   if fp8 and draw(st.booleans()):
     args["k_scale"] = draw(st.floats(0.01, 10.0))
@@ -219,7 +226,7 @@ def corruptions(draw, args):
     name = draw(st.sampled_from(ARRAYS))
     rank = draw(st.integers(0, 5).filter(lambda r: r != RANKS[name]))  # noqa: B023
     shape = draw(st.lists(st.integers(1, 3), min_size=rank, max_size=rank))
-    return {name: jnp.zeros(shape, args[name].dtype)}, {name}
+    return {name: _array(np.zeros, shape, args[name].dtype)}, {name}
   if kind == "zero":
     # Every zero-size dim but q's batch (B = 0 is valid when all batch dims agree).
     name, axis = draw(
@@ -230,7 +237,7 @@ def corruptions(draw, args):
     )
     shape = list(args[name].shape)
     shape[axis] = 0
-    return {name: jnp.zeros(shape, args[name].dtype)}, {name}
+    return {name: _array(np.zeros, shape, args[name].dtype)}, {name}
   if kind == "mismatch":
     q, pages = args["q"], args["k_pages"]
     batch, q_len, num_q_heads, head_dim = q.shape
@@ -244,7 +251,7 @@ def corruptions(draw, args):
     if pages.shape[0] > 1:  # Hq not a multiple of Hkv
       choices.append(("q", (batch, q_len, num_q_heads + 1, head_dim)))
     name, shape = draw(st.sampled_from(choices))
-    return {name: jnp.zeros(shape, args[name].dtype)}, {name}
+    return {name: _array(np.zeros, shape, args[name].dtype)}, {name}
   if kind == "dtype":
     name = draw(st.sampled_from(ARRAYS))
     wrong = WRONG_INT_DTYPES if name in ("block_tables", "seq_lens") else WRONG_FLOAT_DTYPES
