@@ -396,7 +396,8 @@ def index_call(args):
   return config, call, shapes
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+  """The command line: one subcommand per op, each with the shared options."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   commands = parser.add_subparsers(dest="op", required=True)
   attention = commands.add_parser("attention", help="paged decode attention")
@@ -426,6 +427,11 @@ def main(argv=None) -> None:
       action="store_true",
       help="assemble the PTX (ptxas, cuobjdump) and count the SASS; needs --ptx-dir",
     )
+  return parser
+
+
+def main(argv=None) -> None:
+  parser = build_parser()
   args = parser.parse_args(argv)
   if args.sass:  # checked before the compile, which can take minutes
     if args.ptx_dir is None:

@@ -13,6 +13,7 @@ from benchmarks.compile_for_h200 import (
   PtxasReport,
   SassCounts,
   XlaKernel,
+  build_parser,
   count_sass,
   find_cuda_tool,
   index_call,
@@ -105,6 +106,13 @@ def test_with_fields_parses_values_and_names_a_bad_field():
     with_fields(TuningConfig(), ["no_such_field=1"])
   with pytest.raises(ValueError, match="field=value"):
     with_fields(TuningConfig(), ["num_stages"])
+
+
+def test_repeated_set_options_add_up():
+  args = build_parser().parse_args(
+    ["moe", "--set", "gather_in_kernel=True", "--set", "num_stages=4", "block_k=64"]
+  )
+  assert args.set == ["gather_in_kernel=True", "num_stages=4", "block_k=64"]
 
 
 def test_memory_peak_counts_aliased_bytes_once():
