@@ -350,6 +350,7 @@ def test_tuning_config_is_validated():
       {"gather_in_kernel": True, "warpgroups": 2, "block_n_down": 256, "block_k": 128},
       "gather_in_kernel needs block_k=64",
     ),
+    ({"gather_rows_signal": "early"}, "gather_rows_signal must be 'late' or 'copies'"),
   ]:
     with pytest.raises(ValueError, match=message):
       TuningConfig(**changes)
@@ -656,11 +657,12 @@ GATHER_CASES = [
 ]
 
 
-def _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret):
+def _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret, signal):
   # The same rows in the same order reach the same wgmmas: bit for bit the result of the kernel
   # that reads a gathered xs. NaN padding rows come from an extra row of x, zero ones from
   # zero-filled copies (the interpreter takes the same rows).
   args, config = case_inputs(name)
+  config = dataclasses.replace(config, gather_rows_signal=signal)
   if not interpret:
     config = dataclasses.replace(config, num_sms=None)
   gathering, from_xs = (
@@ -676,9 +678,14 @@ def _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, inte
   np.testing.assert_array_equal(np.asarray(gathering, np.float32), np.asarray(from_xs, np.float32))
 
 
-@pytest.mark.parametrize("name", GATHER_CASES)
-def test_gather_in_kernel_interpret_matches_float64_and_the_xs_kernel(name):
-  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, float("nan"), interpret=True)
+@pytest.mark.parametrize(
+  ("name", "signal"),
+  [(name, "late") for name in GATHER_CASES] + [("transposed_tiles_24_rows", "copies")],
+)
+def test_gather_in_kernel_interpret_matches_float64_and_the_xs_kernel(name, signal):
+  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(
+    name, float("nan"), interpret=True, signal=signal
+  )
   assert not races_found()
 
 
@@ -700,6 +707,15 @@ TWO_WARPGROUPS_M = TuningConfig(
     ("glm45_air", 2048, TWO_WARPGROUPS_M),
     ("glm45_air", 8192, None),  # in 4 memory parts, transposed tiles of 136 rows
     ("glm45", 8192, None),  # transposed tiles of 144 rows
+    (
+      "glm45_air",
+      8192,
+      dataclasses.replace(
+        mosaic_gpu.default_config(8192, 8, *GLM_SHAPES["glm45_air"]),
+        gather_in_kernel=True,
+        gather_rows_signal="copies",
+      ),
+    ),
   ],
 )
 def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
@@ -726,8 +742,10 @@ def test_kernel_lowers_for_cuda_at_glm_shapes(shape, num_tokens, config):
   )
   text = lowered.as_text()
   assert text.count("mosaic_gpu") >= 2  # the gate/up and the down kernels
-  # The gate/up parts after the first store into the first's array, in place.
-  assert text.count("output_operand_alias<") == config.memory_parts - 1
+  # The gate/up parts after the first store into the first's array, in place; a gathering
+  # gate/up kernel runs once over the whole table.
+  gate_up_parts = 1 if config.gather_in_kernel else config.memory_parts
+  assert text.count("output_operand_alias<") == gate_up_parts - 1
 
 
 # On the H200 --------------------------------------------------------------------------------
@@ -879,13 +897,17 @@ def test_two_warpgroup_cases_on_gpu_match_float64(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("signal", ["late", "copies"])
 @pytest.mark.parametrize("padding", [float("nan"), 0.0])
 @pytest.mark.parametrize("name", GATHER_CASES)
-def test_gather_in_kernel_on_gpu_matches_float64_and_the_xs_kernel(name, padding):
-  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(name, padding, interpret=False)
+def test_gather_in_kernel_on_gpu_matches_float64_and_the_xs_kernel(name, padding, signal):
+  _gathering_matches_float64_and_the_xs_kernel_bit_for_bit(
+    name, padding, interpret=False, signal=signal
+  )
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("signal", ["late", "copies"])
 @pytest.mark.parametrize(
   ("shape", "num_tokens"),
   [
@@ -895,9 +917,10 @@ def test_gather_in_kernel_on_gpu_matches_float64_and_the_xs_kernel(name, padding
     ("glm45", 8192),
   ],
 )
-def test_gather_in_kernel_on_gpu_gives_the_xs_result_bit_for_bit(shape, num_tokens):
+def test_gather_in_kernel_on_gpu_gives_the_xs_result_bit_for_bit(shape, num_tokens, signal):
   args = glm_inputs(shape, num_tokens)
   config = mosaic_gpu.default_config(num_tokens, 8, *GLM_SHAPES[shape])
+  config = dataclasses.replace(config, gather_rows_signal=signal)
   gathering, from_xs = (
     routed_experts(
       *args, impl="pallas", config=dataclasses.replace(config, gather_in_kernel=gather)

@@ -86,6 +86,12 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core as jax_core
+from jax._src import tree_util
+from jax._src.pallas.mosaic_gpu import core as gpu_core
+from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+from jax._src.pallas.mosaic_gpu import primitives as mgpu_primitives
+from jax._src.state import primitives as state_primitives
 from jax.experimental.mosaic import gpu as mgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref
@@ -169,6 +175,14 @@ class TuningConfig:
       gathered ``xs``: no XLA gather and no ``xs``, and the gate/up kernel runs once over the
       whole table whatever ``memory_parts`` (which then splits only the down kernel and the
       combine). Needs ``warpgroups=2`` and ``block_k=64``.
+    gather_rows_signal: with ``gather_in_kernel``, how a slot's rows are signalled to the
+      consumers. "late": after issuing a step's copies the producer waits for the previous
+      step's (``cp.async.wait_group 1``) and arrives for them, so it never waits for a load it
+      has just issued but holds at most one step of rows in flight. "copies": each producer
+      thread's copies arrive on the slot's barrier themselves when they land
+      (``cp.async.mbarrier.arrive.noinc``, ``_rows_arrive``), the producer never waits for
+      them, and the consumers fence the proxies after their wait: rows of every slot of the
+      ring can be in flight at once.
   """
 
   block_m: int = 64
@@ -183,6 +197,7 @@ class TuningConfig:
   transposed_tiles: bool = False
   memory_parts: int = 1
   gather_in_kernel: bool = False
+  gather_rows_signal: str = "late"
 
   def __post_init__(self):
     fields = (
@@ -236,6 +251,11 @@ class TuningConfig:
       raise ValueError(
         f"TuningConfig.gather_in_kernel needs block_k=64 (each copied row fills one 128-byte "
         f"row of the swizzled (8, 64) tile), got {self.block_k}"
+      )
+    if self.gather_rows_signal not in ("late", "copies"):
+      raise ValueError(
+        f"TuningConfig.gather_rows_signal must be 'late' or 'copies', got "
+        f"{self.gather_rows_signal!r}"
       )
     if self.epilogue_n is not None:
       if self.warpgroups != 2:
@@ -738,6 +758,59 @@ def _copy_rows_async(
   issue(x_ref, token_smem, slot_ref)
 
 
+_rows_arrive_p = jax_core.Primitive("jaxspec_cp_async_rows_arrive")
+_rows_arrive_p.multiple_results = True
+
+
+@_rows_arrive_p.def_effectful_abstract_eval
+def _rows_arrive_abstract_eval(barrier, *flat_transforms, transforms_treedef):
+  del barrier, flat_transforms, transforms_treedef
+  return (), {gpu_core._memory_effect}
+
+
+@mgpu_lowering.register_lowering_rule(_rows_arrive_p, mgpu.LoweringSemantics.Lane)
+@mgpu_lowering.register_lowering_rule(_rows_arrive_p, mgpu.LoweringSemantics.Warpgroup)
+def _rows_arrive_lowering(ctx, barrier, *flat_transforms, transforms_treedef):
+  transforms = transforms_treedef.unflatten(flat_transforms)
+  index = mgpu_primitives._get_barrier_base_index(ctx.avals_in[0], transforms)
+  if index is not None:
+    barrier = barrier[index]
+  mgpu.utils.inline_ptx(
+    "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", barrier.get_ptr(), has_side_effects=True
+  )
+  return ()
+
+
+def _rows_arrive(barrier) -> None:
+  """Arrives on ``barrier`` (one barrier of a ``plgpu.Barrier`` ring, indexed with ``.at``) from
+  every thread of the calling warpgroup once all of the thread's ``cp.async`` copies issued so far
+  have landed (``cp.async.mbarrier.arrive.noinc``), without waiting for them: the copies
+  themselves complete the arrival. A Pallas barrier of one arrival counts one arrival from each
+  of the warpgroup's 128 threads, so the phase completes when every thread's rows are in.
+  Readers through the async proxy (wgmma) fence after their wait (``_rows_fence``).
+
+  Pallas Mosaic GPU (jax 0.11.2) exposes no barrier address to ``plgpu.inline_mgpu``; this
+  primitive lowers like ``plgpu.barrier_arrive`` (the same indexing of the barrier ring) with the
+  copy-tracking arrival in place of a plain one. GPU only: the interpreter has no ``cp.async``.
+  The scheme is PTX ISA's ``cp.async.mbarrier.arrive``; Mosaic GPU's own ``cp.async`` copy
+  implementation signals its barrier the same way."""
+  barrier, transforms = state_primitives.get_ref_and_transforms(barrier, None, "rows_arrive")
+  flat_transforms, transforms_treedef = tree_util.tree_flatten(transforms)
+  _rows_arrive_p.bind(barrier, *flat_transforms, transforms_treedef=transforms_treedef)
+
+
+def _rows_fence() -> None:
+  """Orders the ``cp.async`` rows that a barrier wait has just observed before this thread's
+  reads through the async proxy (the wgmmas read shared memory through it, ``cp.async`` writes
+  through the generic proxy)."""
+
+  @plgpu.inline_mgpu()
+  def fence(_):
+    mgpu.utils.inline_ptx("fence.proxy.async.shared::cta;")
+
+  fence()
+
+
 def _wait_rows(pending: int) -> None:
   """Waits until at most ``pending`` of this thread's ``_copy_rows_async`` groups are in
   flight, then orders their writes before the async proxy (the wgmmas read shared memory
@@ -956,16 +1029,19 @@ def _grouped_matmul(
   def gathered(num_tiles_ref, table_ref, lhs_row_ref, x_ref, token_ref, *refs):
     """Two consumer warpgroups and a producer warpgroup that fills the ring by hand: per K step
     a TMA copy of each weight block and the tile's rows of ``x`` copied by token
-    (``_copy_rows_async``). A slot's rows are signalled one step late (``x_full``): after issuing
-    step ``s``'s copies the producer waits for step ``s - 1``'s, which have had a step's time to
-    land, so it never waits for a load it has just issued. Steps are counted across this SM's
-    work items, so an item's last copies land while the next item's first are issued; only the
-    kernel's end waits for the last. (Two steps late, with the three-slot rings that fit at
-    prefill sizes, was slower: the consumers then wait for each issue;
-    ``benchmarks/NOTES_routed_experts.md``.)"""
+    (``_copy_rows_async``), signalled on ``x_full`` as ``config.gather_rows_signal`` says.
+    "late": after issuing step ``s``'s copies the producer waits for step ``s - 1``'s, which have
+    had a step's time to land, so it never waits for a load it has just issued. Steps are counted
+    across this SM's work items, so an item's last copies land while the next item's first are
+    issued; only the kernel's end waits for the last. (Two steps late, with the three-slot rings
+    that fit at prefill sizes, was slower: the consumers then wait for each issue;
+    ``benchmarks/NOTES_routed_experts.md``.) "copies": the copies arrive on ``x_full`` when they
+    land and the consumers fence before their wgmmas, so the producer runs ahead by the whole
+    ring; the interpreter, which writes the rows at once, arrives right after them."""
     rhs_refs, out_ref = refs[:-1], refs[-1]
     pad_row = gather[1]
     stages = config.num_stages
+    signal_late = config.gather_rows_signal == "late"
 
     @functools.partial(
       pl.run_scoped,
@@ -1003,10 +1079,6 @@ def _grouped_matmul(
             transforms=transforms,
           )
 
-      def rows_landed(pending):
-        if not interpret:
-          _wait_rows(pending)
-
       @pl.when(wg == 2)
       def _produce():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
@@ -1037,22 +1109,31 @@ def _grouped_matmul(
                 rhs_full.at[slot],
               )
             copy_rows(k, slot)
+            if signal_late:
 
-            @pl.when(step >= 1)
-            def _signal_previous():
-              rows_landed(1)
-              plgpu.barrier_arrive(x_full.at[lax.rem(step - 1, stages)])
+              @pl.when(step >= 1)
+              def _signal_previous():
+                if not interpret:
+                  _wait_rows(1)
+                plgpu.barrier_arrive(x_full.at[lax.rem(step - 1, stages)])
+
+            elif interpret:
+              plgpu.barrier_arrive(x_full.at[slot])
+            else:
+              _rows_arrive(x_full.at[slot])
 
           lax.fori_loop(0, k_steps, fill, None)
 
         sm, sms = lax.axis_index("sm"), lax.axis_size("sm")
         total_steps = lax.div(jnp.maximum(num_items - sm, 0) + sms - 1, sms) * k_steps
         last_step = total_steps - 1
+        if signal_late:
 
-        @pl.when(last_step >= 0)
-        def _signal_last():
-          rows_landed(0)
-          plgpu.barrier_arrive(x_full.at[lax.rem(last_step, stages)])
+          @pl.when(last_step >= 0)
+          def _signal_last():
+            if not interpret:
+              _wait_rows(0)
+            plgpu.barrier_arrive(x_full.at[lax.rem(last_step, stages)])
 
         # Observe the consumption of the last slots filled, so that every barrier phase has been
         # waited for when the kernel ends.
@@ -1078,6 +1159,8 @@ def _grouped_matmul(
               slot = lax.rem(first_step + k, stages)
               plgpu.barrier_wait(rhs_full.at[slot])
               plgpu.barrier_wait(x_full.at[slot])
+              if not (signal_late or interpret):
+                _rows_fence()
               warpgroup_mma_step(
                 acc_refs, wg, x_ring.at[slot], [ring.at[slot] for ring in rhs_rings]
               )
