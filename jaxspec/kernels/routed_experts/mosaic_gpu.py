@@ -701,10 +701,12 @@ def _copy_rows_async(
   rows: int,
   pad_row: int | None,
   transforms,
+  commit_group: bool,
 ) -> None:
   """``slot_ref[r] = x_ref[token_smem[r]]`` for ``r < rows``, as ``cp.async`` copies of 16
-  bytes issued by every thread of the calling warpgroup and committed as one group
-  (``_wait_rows`` waits for it).
+  bytes issued by every thread of the calling warpgroup, committed as one group when
+  ``commit_group`` (``_wait_rows`` waits for it; copies that arrive on a barrier themselves,
+  ``_rows_arrive``, need no group).
 
   ``cp.async`` (LDGSTS) moves global memory into shared memory without passing through
   registers, so the issuing threads never wait for the loads. An in-kernel gather that loaded the
@@ -753,7 +755,8 @@ def _copy_rows_async(
       mgpu.utils.inline_ptx(
         "cp.async.cg.shared.global [$0], [$1], 16, $2;", target, source, size, predicate=in_tile
       )
-    mgpu.utils.inline_ptx("cp.async.commit_group;")
+    if commit_group:
+      mgpu.utils.inline_ptx("cp.async.commit_group;")
 
   issue(x_ref, token_smem, slot_ref)
 
@@ -792,17 +795,18 @@ def _rows_arrive(barrier) -> None:
   Pallas Mosaic GPU (jax 0.11.2) exposes no barrier address to ``plgpu.inline_mgpu``; this
   primitive lowers like ``plgpu.barrier_arrive`` (the same indexing of the barrier ring) with the
   copy-tracking arrival in place of a plain one. GPU only: the interpreter has no ``cp.async``.
-  The scheme is PTX ISA's ``cp.async.mbarrier.arrive``; Mosaic GPU's own ``cp.async`` copy
-  implementation signals its barrier the same way."""
+  Mosaic GPU's own ``cp.async`` copies signal a barrier from the copies too (without
+  ``.noinc``: each thread's instruction adds a pending arrival that its copies remove, and one
+  thread then arrives for all)."""
   barrier, transforms = state_primitives.get_ref_and_transforms(barrier, None, "rows_arrive")
   flat_transforms, transforms_treedef = tree_util.tree_flatten(transforms)
   _rows_arrive_p.bind(barrier, *flat_transforms, transforms_treedef=transforms_treedef)
 
 
 def _rows_fence() -> None:
-  """Orders the ``cp.async`` rows that a barrier wait has just observed before this thread's
-  reads through the async proxy (the wgmmas read shared memory through it, ``cp.async`` writes
-  through the generic proxy)."""
+  """Orders ``cp.async`` rows this thread has seen land (its own after ``cp.async.wait_group``,
+  any thread's after a barrier wait) before shared-memory accesses through the async proxy (the
+  wgmmas read shared memory through it, ``cp.async`` writes through the generic proxy)."""
 
   @plgpu.inline_mgpu()
   def fence(_):
@@ -819,9 +823,9 @@ def _wait_rows(pending: int) -> None:
   @plgpu.inline_mgpu()
   def wait(_):
     mgpu.utils.inline_ptx(f"cp.async.wait_group {pending};")
-    mgpu.utils.inline_ptx("fence.proxy.async.shared::cta;")
 
   wait()
+  _rows_fence()
 
 
 def _grouped_matmul(
@@ -1077,6 +1081,7 @@ def _grouped_matmul(
             rows=block_m,
             pad_row=pad_row,
             transforms=transforms,
+            commit_group=signal_late,
           )
 
       @pl.when(wg == 2)
